@@ -1,0 +1,85 @@
+"""Attention kernel alone: bs=128, H=128, s_q=1 over the task's latent cache.
+
+    python benchmarks/bench_attention.py [--lengths 513 2049 4097 6145] [--json FILE]
+
+Device events, median of many runs, caches rotated so they do not sit in L2.
+Reports us, TFLOP/s, GB/s and % of the attention floor (max(bytes/BW,
+FLOPs/peak) with SPEC.md's peaks for the device)."""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mla_decode  # noqa: E402
+from mla_decode import roofline  # noqa: E402
+from common import device_name, time_events  # noqa: E402
+
+FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # SPEC.md, measured on an H200 here
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[513, 2049, 4097, 6145])
+    ap.add_argument("--bs", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not mla_decode.kernels_usable("cuda"):
+        print(f"bench_attention needs the GPU kernels: {mla_decode.backend()}")
+        return 1
+    name = device_name()
+    peaks = roofline.peaks_for(name)
+    print(f"# attention kernel | {mla_decode.backend()} | bs={args.bs} H={args.heads} s_q=1 D=576 Dv=512")
+    rows = []
+    for L in args.lengths:
+        n_sets = max(2, math.ceil(200e6 / (args.bs * L * 576 * 2)))  # > L2 between reuses
+        sets = []
+        for i in range(n_sets):
+            kv = torch.randn(args.bs, L, 576, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(args.bs, 1, args.heads, 576, device="cuda", dtype=torch.bfloat16)
+            sets.append((q, kv))
+        seqlens = torch.full((args.bs,), L, dtype=torch.int32, device="cuda")
+        cs = mla_decode.rope_table(L, device="cuda")
+        out = torch.empty(args.bs, 1, args.heads, 512, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(args.bs, args.heads, 1, device="cuda")
+        for rope in (True, False):
+            it = [0]
+
+            def call():
+                q, kv = sets[it[0] % n_sets]
+                it[0] += 1
+                mla_decode.mla_attention(q, kv, seqlens, 0.0722, rope_cs=cs if rope else None, out=out, lse=lse)
+
+            ms = time_events(call, iters=args.iters)
+            us = ms * 1e3
+            fl = roofline.attention_flops(args.bs, L, args.heads)
+            by = roofline.attention_bytes(args.bs, L, args.heads)
+            row = dict(L=L, rope=rope, us=us, tflops=fl / us / 1e6, gbs=by / us / 1e3)
+            if peaks:
+                floor = 1e6 * max(by / peaks[0], fl / peaks[1])
+                row["floor_us"] = floor
+                row["pct_floor"] = 100 * floor / us
+            if "H200" in name and L in FLASHMLA_H200_US:
+                row["vs_flashmla"] = FLASHMLA_H200_US[L] / us
+            rows.append(row)
+        del sets
+    print(f"{'L':>6} {'rope':>5} {'us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'floor us':>9} {'%floor':>7} {'xFlashMLA':>9}")
+    for r in rows:
+        print(f"{r['L']:>6} {str(r['rope']):>5} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['gbs']:>7.0f} "
+              f"{r.get('floor_us', float('nan')):>9.1f} {r.get('pct_floor', float('nan')):>7.1f} "
+              f"{r.get('vs_flashmla', float('nan')):>9.2f}")
+    print("(xFlashMLA: FlashMLA's H200 time from SPEC.md over ours; >= 0.80 is the target, rope=False is its setting)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, backend=mla_decode.backend(), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Shared timing helpers for the benchmarks (device events, harness method)."""
+
+import statistics
+import time
+
+import torch
+
+
+def device_name():
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def time_events(fn, iters=50, warmup=5):
+    """Median milliseconds of fn() by device events, one event pair per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def time_wall(fn, iters=20, warmup=3, sync=None):
+    """Median milliseconds of fn() timed as the task harness does:
+    synchronize, wall clock, call, synchronize, wall clock."""
+    sync = sync or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def geomean(xs):
+    xs = [x for x in xs if x > 0]
+    p = 1.0
+    for x in xs:
+        p *= x
+    return p ** (1.0 / len(xs)) if xs else float("nan")

@@ -1,0 +1,24 @@
+// The Python module mla_decode._C: importing it registers the torch ops
+// (ops.cpp) and exposes build facts through pybind11.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+#ifndef MLA_BUILD_ARCHS
+#define MLA_BUILD_ARCHS "unknown"
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "mla_decode kernels (CUDA/HIP)";
+#if defined(USE_ROCM)
+  m.attr("platform") = "hip";
+#else
+  m.attr("platform") = "cuda";
+#endif
+  m.attr("archs") = MLA_BUILD_ARCHS;
+  m.def("attention_info", &mla::api::attention_info, py::arg("device"),
+        "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count]");
+  m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
+        py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"));
+  m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));
+}

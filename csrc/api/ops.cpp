@@ -1,0 +1,266 @@
+// Torch glue of the attention stage: validation, workspace, launch, and
+// registration as PyTorch custom ops (torch.ops.mla_decode.*), so that
+// torch.compile and graph capture see them. No kernel code here.
+//
+// PyTorch's ROCm build keeps the at::cuda / c10::cuda names (HIP underneath),
+// so this file serves both vendors unchanged.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <array>
+#include <mutex>
+
+#include "../kernels/attention/attention.h"
+#include "checks.h"
+#include "ops.h"
+
+namespace mla::api {
+namespace {
+
+constexpr int64_t kD = 576, kDv = 512, kRope = 64;
+
+struct DeviceAttnInfo {
+  AttnKernelInfo kernel{};
+  int sm_count = 0;
+};
+
+// Kernel facts and the SM/CU count, read once per device from the runtime.
+const DeviceAttnInfo& device_attn_info(int device) {
+  static std::mutex mu;
+  static std::array<DeviceAttnInfo, 64> cache{};
+  static std::array<bool, 64> ready{};
+  TORCH_CHECK(device >= 0 && device < 64, "device index out of range: ", device);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!ready[device]) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const auto* props = at::cuda::getDeviceProperties(device);
+    DeviceAttnInfo info;
+    check_launch(attn_kernel_info_576_512(&info.kernel), "attention kernel setup");
+    TORCH_CHECK(props->warpSize == info.kernel.warp_size, "the attention kernel was compiled for warp size ",
+                info.kernel.warp_size, " but device ", device, " runs warp size ", props->warpSize);
+    info.sm_count = props->multiProcessorCount;
+    cache[device] = info;
+    ready[device] = true;
+  }
+  return cache[device];
+}
+
+struct KvLayout {
+  int64_t row_stride, page_stride, page_size, capacity, bt_stride;
+};
+
+KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_table, int64_t bs,
+                  const at::Device& dev) {
+  check_device(kv, "kv", dev);
+  check_dtype(kv, "kv", at::kBFloat16);
+  check_last_dim_contiguous(kv, "kv");
+  KvLayout l{};
+  if (block_table.has_value()) {
+    const auto& bt = *block_table;
+    check_device(bt, "block_table", dev);
+    check_dtype(bt, "block_table", at::kInt);
+    check_last_dim_contiguous(bt, "block_table");
+    check_shape(bt, "block_table", {bs, -1}, "[bs, max_blocks_per_seq]");
+    TORCH_CHECK_VALUE(kv.dim() == 3 || (kv.dim() == 4 && kv.size(2) == 1),
+                      "paged kv must have shape [num_blocks, block_size, 576] or [num_blocks, block_size, 1, 576], got ",
+                      shape_str(kv));
+    TORCH_CHECK_VALUE(kv.size(-1) == kD, "kv must have last dimension 576, got ", shape_str(kv));
+    l.page_stride = kv.stride(0);
+    l.row_stride = kv.stride(1);
+    l.page_size = kv.size(1);
+    l.capacity = bt.size(1) * l.page_size;
+    l.bt_stride = bt.stride(0);
+  } else {
+    check_shape(kv, "kv", {bs, -1, kD}, "[bs, max_seq_len, 576]");
+    l.page_stride = kv.stride(0);
+    l.row_stride = kv.stride(1);
+    l.page_size = kv.size(1);
+    l.capacity = kv.size(1);
+    l.bt_stride = 0;
+  }
+  TORCH_CHECK_VALUE(l.page_size > 0, "kv must hold at least one row per page, got ", shape_str(kv));
+  return l;
+}
+
+}  // namespace
+
+void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                   const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
+                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse) {
+  // device
+  TORCH_CHECK_VALUE(q.is_cuda(), "q must be on a GPU, got ", q.device().str());
+  const at::Device dev = q.device();
+  check_device(seqlens, "seqlens", dev);
+  check_device(out, "out", dev);
+  check_device(lse, "lse", dev);
+  // dtype
+  check_dtype(q, "q", at::kBFloat16);
+  check_dtype(seqlens, "seqlens", at::kInt);
+  check_dtype(out, "out", at::kBFloat16);
+  check_dtype(lse, "lse", at::kFloat);
+  // layout and shape
+  check_shape(q, "q", {-1, -1, -1, kD}, "[bs, s_q, h_q, 576]");
+  const int64_t bs = q.size(0), s_q = q.size(1), h_q = q.size(2);
+  TORCH_CHECK_VALUE(bs > 0 && s_q > 0 && h_q > 0, "q must have non-empty bs, s_q and h_q, got ", shape_str(q));
+  check_last_dim_contiguous(q, "q");
+  TORCH_CHECK_VALUE(s_q == 1 || q.stride(1) == h_q * q.stride(2),
+                    "q must have its (s_q, h_q) dimensions laid out densely (stride(1) == h_q * stride(2)), got strides ",
+                    q.strides());
+  const KvLayout kl = check_kv(kv, block_table, bs, dev);
+  check_shape(seqlens, "seqlens", {bs}, "[bs]");
+  check_contiguous(seqlens, "seqlens");
+  check_shape(out, "out", {bs, s_q, h_q, kDv}, "[bs, s_q, h_q, 512]");
+  check_contiguous(out, "out");
+  check_shape(lse, "lse", {bs, h_q, s_q}, "[bs, h_q, s_q]");
+  check_contiguous(lse, "lse");
+  if (rope_cs.has_value()) {
+    check_device(*rope_cs, "rope_cs", dev);
+    check_dtype(*rope_cs, "rope_cs", at::kBFloat16);
+    check_contiguous(*rope_cs, "rope_cs");
+    check_shape(*rope_cs, "rope_cs", {-1, kRope}, "[positions, 64]");
+    TORCH_CHECK_VALUE(rope_cs->size(0) >= kl.capacity, "rope_cs must cover every cache position (",
+                      kl.capacity, " rows), got ", shape_str(*rope_cs));
+  }
+  TORCH_CHECK_VALUE(softmax_scale > 0.0, "softmax_scale must be positive, got ", softmax_scale);
+
+  const int device = dev.index();
+  c10::cuda::CUDAGuard guard(dev);
+  const DeviceAttnInfo& info = device_attn_info(device);
+  const int64_t rows = s_q * h_q;
+  const int64_t head_blocks = (rows + info.kernel.rows_per_block - 1) / info.kernel.rows_per_block;
+  const int64_t target_parts =
+      std::max<int64_t>(1, static_cast<int64_t>(info.sm_count) * info.kernel.blocks_per_sm / head_blocks);
+  const int64_t max_parts = target_parts + bs;
+  TORCH_CHECK(max_parts <= 65535, "too many parts for one launch: ", max_parts);
+
+  auto i32 = q.options().dtype(at::kInt);
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))}, i32);
+  at::Tensor o_part = at::empty({max_parts, rows, kDv}, f32);
+  at::Tensor lse_part = at::empty({max_parts, rows}, f32);
+  auto stream = at::cuda::getCurrentCUDAStream(device).stream();
+
+  PlanParams pp{};
+  pp.seqlens = seqlens.data_ptr<int32_t>();
+  pp.plan = plan.data_ptr<int32_t>();
+  pp.bs = static_cast<int>(bs);
+  pp.max_parts = static_cast<int>(max_parts);
+  pp.target_parts = static_cast<int>(target_parts);
+  pp.tile = info.kernel.tile;
+  pp.s_q = static_cast<int>(s_q);
+  pp.max_len = static_cast<int>(kl.capacity);
+  check_launch(launch_plan(pp, stream), "split planner launch");
+
+  AttnParams ap{};
+  ap.q = reinterpret_cast<const bf16_t*>(q.data_ptr());
+  ap.kv = reinterpret_cast<const bf16_t*>(kv.data_ptr());
+  ap.block_table = block_table.has_value() ? block_table->data_ptr<int32_t>() : nullptr;
+  ap.seqlens = seqlens.data_ptr<int32_t>();
+  ap.rope_cs = rope_cs.has_value() ? reinterpret_cast<const bf16_t*>(rope_cs->data_ptr()) : nullptr;
+  ap.o = reinterpret_cast<bf16_t*>(out.data_ptr());
+  ap.lse = lse.data_ptr<float>();
+  ap.o_part = o_part.data_ptr<float>();
+  ap.lse_part = lse_part.data_ptr<float>();
+  ap.plan = plan.data_ptr<int32_t>();
+  ap.q_row_stride = q.stride(2);
+  ap.q_batch_stride = q.stride(0);
+  ap.kv_row_stride = kl.row_stride;
+  ap.kv_page_stride = kl.page_stride;
+  ap.block_table_stride = kl.bt_stride;
+  ap.page_size = static_cast<int>(kl.page_size);
+  ap.max_len = static_cast<int>(kl.capacity);
+  ap.bs = static_cast<int>(bs);
+  ap.s_q = static_cast<int>(s_q);
+  ap.h_q = static_cast<int>(h_q);
+  ap.rows = static_cast<int>(rows);
+  ap.max_parts = static_cast<int>(max_parts);
+  ap.rope = static_cast<int>(kRope);
+  ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  ap.causal = causal && s_q > 1;
+  check_launch(launch_attention_576_512(ap, stream), "attention launch");
+
+  CombineParams cp{};
+  cp.o_part = ap.o_part;
+  cp.lse_part = ap.lse_part;
+  cp.seq_info = ap.plan + kPlanSeqBase;
+  cp.skip_single_split = true;
+  cp.o = ap.o;
+  cp.lse = ap.lse;
+  cp.bs = ap.bs;
+  cp.s_q = ap.s_q;
+  cp.h_q = ap.h_q;
+  cp.rows = ap.rows;
+  cp.dv = static_cast<int>(kDv);
+  check_launch(launch_combine(cp, stream), "combine launch");
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                                             const c10::optional<at::Tensor>& block_table,
+                                             const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
+                                             bool causal) {
+  TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape [bs, s_q, h_q, 576], got ", shape_str(q));
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDv}, q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part) {
+  TORCH_CHECK_VALUE(o_part.is_cuda(), "o_part must be on a GPU, got ", o_part.device().str());
+  check_device(lse_part, "lse_part", o_part.device());
+  check_dtype(o_part, "o_part", at::kFloat);
+  check_dtype(lse_part, "lse_part", at::kFloat);
+  check_shape(o_part, "o_part", {-1, -1, -1, -1, kDv}, "[bs, num_splits, s_q, h_q, 512]");
+  const int64_t bs = o_part.size(0), n = o_part.size(1), s_q = o_part.size(2), h_q = o_part.size(3);
+  TORCH_CHECK_VALUE(bs > 0 && n > 0 && s_q > 0 && h_q > 0, "o_part must be non-empty, got ", shape_str(o_part));
+  check_shape(lse_part, "lse_part", {bs, n, s_q, h_q}, "[bs, num_splits, s_q, h_q] (matching o_part)");
+  check_contiguous(o_part, "o_part");
+  check_contiguous(lse_part, "lse_part");
+  TORCH_CHECK(bs * n <= INT32_MAX && s_q * h_q <= INT32_MAX, "combine: sizes overflow int32");
+
+  c10::cuda::CUDAGuard guard(o_part.device());
+  auto i32 = o_part.options().dtype(at::kInt);
+  at::Tensor seq_info = at::stack({at::full({bs}, n, i32), at::arange(bs, i32) * n}, 1).contiguous();
+  at::Tensor out = at::empty({bs, s_q, h_q, kDv}, o_part.options().dtype(at::kBFloat16));
+  at::Tensor lse = at::empty({bs, h_q, s_q}, o_part.options());
+
+  CombineParams cp{};
+  cp.o_part = o_part.data_ptr<float>();
+  cp.lse_part = lse_part.data_ptr<float>();
+  cp.seq_info = seq_info.data_ptr<int32_t>();
+  cp.skip_single_split = false;
+  cp.o = reinterpret_cast<bf16_t*>(out.data_ptr());
+  cp.lse = lse.data_ptr<float>();
+  cp.bs = static_cast<int>(bs);
+  cp.s_q = static_cast<int>(s_q);
+  cp.h_q = static_cast<int>(h_q);
+  cp.rows = static_cast<int>(s_q * h_q);
+  cp.dv = static_cast<int>(kDv);
+  check_launch(launch_combine(cp, at::cuda::getCurrentCUDAStream().stream()), "combine launch");
+  return {out, lse};
+}
+
+std::vector<int64_t> attention_info(int64_t device) {
+  const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device));
+  return {i.kernel.rows_per_block, i.kernel.tile,      i.kernel.threads, i.kernel.smem_bytes,
+          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count};
+}
+
+}  // namespace mla::api
+
+TORCH_LIBRARY(mla_decode, m) {
+  m.def(
+      "attention(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
+      "float softmax_scale, bool causal) -> (Tensor, Tensor)");
+  m.def(
+      "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
+      "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
+  m.impl("attention", &mla::api::attention);
+  m.impl("attention_out", &mla::api::attention_out);
+  m.impl("combine", &mla::api::combine);
+}

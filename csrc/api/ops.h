@@ -1,0 +1,26 @@
+// Declarations of the torch-facing ops (implemented in ops.cpp).
+#pragma once
+
+#include <tuple>
+#include <vector>
+
+#include <torch/types.h>
+
+namespace mla::api {
+
+void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                   const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
+                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse);
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                                             const c10::optional<at::Tensor>& block_table,
+                                             const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
+                                             bool causal);
+
+std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
+
+// [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
+//  blocks per SM, SM/CU count] of the attention kernel on `device`.
+std::vector<int64_t> attention_info(int64_t device);
+
+}  // namespace mla::api

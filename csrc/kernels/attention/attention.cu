@@ -1,0 +1,429 @@
+// Split-KV absorbed MQA decode over the latent cache (pipeline step 3).
+//
+// One block = one head block (kM query rows) x one planned part (a range of
+// key tiles of one sequence). Warps form a kWM x kWN grid: warp (wm, wn)
+// holds query rows [16 wm, 16 wm + 16) and
+//   - for S = Q K^T: the k-range [wn D/kWN, (wn+1) D/kWN) with its Q slice in
+//     registers, so Q is read from memory once per block, never per tile;
+//     the kWN partial scores are summed through shared memory;
+//   - for O += P V: output columns [wn Dv/kWN, (wn+1) Dv/kWN).
+// Keys stream through a kStages-deep shared-memory ring; rows past the
+// sequence are zero-filled (so NaN in unused cache rows never reaches P V)
+// and masked to -inf in the scores. RoPE of the keys is applied in shared
+// memory, with the caller's bf16 cos/sin table, exactly as the task rounds it.
+#include "../../platform/bf16.h"
+#include "../../platform/copy.h"
+#include "../../platform/mma.h"
+#include "../../platform/vendor.h"
+#include "attention.h"
+
+namespace mla {
+namespace {
+
+template <int kD_, int kDv_>
+struct AttnTile {
+  static constexpr int kD = kD_;
+  static constexpr int kDv = kDv_;
+  static constexpr int kRope = kD - kDv;
+#if MLA_AMD
+  // MI300X: 64 KB LDS per CU, wave64. Q and O live in VGPRs/AGPRs
+  // (72 + 128 per lane), the LDS holds a 2 x 16-key ring (37 KB).
+  static constexpr int kWM = 4, kWN = 1, kBN = 16, kStages = 2;
+#else
+  // H100/H200: 8 warps, Q slice 72 + O 128 registers per thread, one block
+  // per SM by registers; a 2 x 32-key ring (75 KB).
+  static constexpr int kWM = 4, kWN = 2, kBN = 32, kStages = 2;
+#endif
+  static constexpr int kWarps = kWM * kWN;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kM = 16 * kWM;
+  static constexpr int kLd = kD + 8;       // +16 B per row: ldmatrix rows hit distinct banks
+  static constexpr int kPLd = kBN + 8;
+  static constexpr int kKSteps = kD / 16 / kWN;
+  static constexpr int kNTiles = kDv / 16 / kWN;
+  static constexpr int kSTiles = kBN / 16;
+  static constexpr int kLanesPerRow = kWarpSize / 16;
+  static constexpr int kColsPerLane = kBN / kLanesPerRow;
+  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
+
+  static constexpr int kKvBytes = kStages * kBN * kLd * 2;
+  static constexpr int kSBytes = kWN * kM * kBN * 4;
+  static constexpr int kPBytes = kWarps * 16 * kPLd * 2;
+  static constexpr int kRowBytes = kWarps * 16 * 4;
+  static constexpr int kSmem = kKvBytes + kSBytes + kPBytes + kRowBytes;
+
+  static_assert(kD % (16 * kWN) == 0 && kDv % (16 * kWN) == 0, "D and Dv must split over kWN warps");
+  static_assert(kD % 8 == 0 && kRope % 2 == 0 && kRope > 0, "bad D / rope");
+  static_assert(kBN % 16 == 0 && kColsPerLane % 2 == 0, "bad key tile");
+  static_assert(kStages >= 2, "need at least double buffering");
+};
+
+using Tile576 = AttnTile<576, 512>;
+
+template <typename T>
+MLA_DEVICE const bf16_t* kv_row(const AttnParams& p, int b, int t) {
+  if (p.block_table == nullptr) return p.kv + b * p.kv_page_stride + t * p.kv_row_stride;
+  const int page = p.block_table[b * p.block_table_stride + t / p.page_size];
+  return p.kv + page * p.kv_page_stride + (t % p.page_size) * p.kv_row_stride;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnParams p) {
+  extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
+  bf16_t* kv_s = reinterpret_cast<bf16_t*>(smem);
+  float* s_s = reinterpret_cast<float*>(smem + T::kKvBytes);
+  bf16_t* p_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes);
+  float* row_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes);
+
+  const int part = block_y();
+  if (part >= p.plan[0]) return;
+  const int32_t* pi = p.plan + plan_part_base(p.bs) + 4 * part;
+  const int b = pi[0], tile_begin = pi[1], tile_end = pi[2], split = pi[3];
+  const int nsplit = p.plan[kPlanSeqBase + 2 * b];
+  const int first_part = p.plan[kPlanSeqBase + 2 * b + 1];
+  const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
+
+  const int tid = thread_x();
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int wm = warp % T::kWM, wn = warp / T::kWM;
+  const int row0 = block_x() * T::kM + wm * 16;  // first query row of this warp
+
+  // ---- keys: issue the first tiles before anything else
+  const int ntiles = tile_end - tile_begin;
+  auto load_tile = [&](int j) {
+    bf16_t* dst = kv_s + (j % T::kStages) * T::kBN * T::kLd;
+    const int tile = tile_begin + j;
+    for (int c = tid; c < T::kBN * T::kChunksPerRow; c += T::kThreads) {
+      const int r = c / T::kChunksPerRow, ch = c % T::kChunksPerRow;
+      const int t = tile * T::kBN + r;
+      const bool valid = t < L;
+      const bf16_t* src = valid ? kv_row<T>(p, b, t) + ch * 8 : p.kv;
+      copy16_async(dst + r * T::kLd + ch * 8, src, valid);
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < T::kStages - 1; ++j) {
+    if (j < ntiles) load_tile(j);
+    copy_commit();
+  }
+
+  // ---- this warp's Q slice, straight into registers
+  mma::FragA qf[T::kKSteps];
+  {
+    const bf16_t* qp = p.q + b * p.q_batch_stride + row0 * p.q_row_stride + wn * T::kKSteps * 16;
+    const int rows_valid = p.rows - row0;
+#pragma unroll
+    for (int ks = 0; ks < T::kKSteps; ++ks) mma::load_a_global(qf[ks], qp + ks * 16, p.q_row_stride, rows_valid);
+  }
+
+  mma::FragC o[T::kNTiles];
+#pragma unroll
+  for (int n = 0; n < T::kNTiles; ++n) mma::zero(o[n]);
+
+  // softmax state: lane holds row srow, columns [spart * kColsPerLane, ...)
+  const int srow = lane / T::kLanesPerRow, spart = lane % T::kLanesPerRow;
+  int limit = L;  // causal: query i of s_q sees positions < L - (s_q - 1 - i)
+  if (p.causal) limit = L - (p.s_q - 1 - (row0 + srow) / p.h_q);
+  float m_run = neg_inf(), l_run = 0.f;
+
+  bf16_t* p_w = p_s + warp * 16 * T::kPLd;
+  float* row_w = row_s + warp * 16;
+
+  for (int j = 0; j < ntiles; ++j) {
+    copy_wait<T::kStages - 2>();
+    sync_threads();  // tile j landed for everyone; tile j-1's buffer is free
+    if (j + T::kStages - 1 < ntiles) load_tile(j + T::kStages - 1);
+    copy_commit();
+
+    bf16_t* kt = kv_s + (j % T::kStages) * T::kBN * T::kLd;
+    const int key0 = (tile_begin + j) * T::kBN;
+    if (p.rope_cs != nullptr) {
+      // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to bf16
+      constexpr int kHalf = T::kRope / 2;
+      for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
+        const int r = e / kHalf, jj = e % kHalf, t = key0 + r;
+        if (t < L) {
+          bf16_t* x = kt + r * T::kLd + (T::kD - T::kRope);
+          const float c = bf16_to_float(p.rope_cs[t * T::kRope + jj]);
+          const float s = bf16_to_float(p.rope_cs[t * T::kRope + kHalf + jj]);
+          const float x1 = bf16_to_float(x[jj]), x2 = bf16_to_float(x[kHalf + jj]);
+          x[jj] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+          x[kHalf + jj] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+        }
+      }
+      sync_threads();
+    }
+
+    // ---- partial scores over this warp's k-range
+    {
+      mma::FragC sacc[T::kSTiles];
+#pragma unroll
+      for (int n = 0; n < T::kSTiles; ++n) mma::zero(sacc[n]);
+      const bf16_t* kb = kt + wn * T::kKSteps * 16;
+#pragma unroll
+      for (int ks = 0; ks < T::kKSteps; ++ks) {
+#pragma unroll
+        for (int n = 0; n < T::kSTiles; ++n) {
+          mma::FragB bfr;
+          mma::load_b_nk(bfr, kb + n * 16 * T::kLd + ks * 16, T::kLd);
+          mma::mma(sacc[n], qf[ks], bfr);
+        }
+      }
+      float* sw = s_s + (wn * T::kM + wm * 16) * T::kBN;
+#pragma unroll
+      for (int n = 0; n < T::kSTiles; ++n)
+#pragma unroll
+        for (int i = 0; i < mma::kCElems; ++i)
+          sw[mma::c_row(lane, i) * T::kBN + n * 16 + mma::c_col(lane, i)] = sacc[n].v[i];
+    }
+    sync_threads();
+
+    // ---- online softmax for the warp's 16 rows (redundant across wn)
+    {
+      float sv[T::kColsPerLane];
+      float mx = neg_inf();
+      const int c0 = spart * T::kColsPerLane;
+#pragma unroll
+      for (int c = 0; c < T::kColsPerLane; ++c) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < T::kWN; ++w) v += s_s[(w * T::kM + wm * 16 + srow) * T::kBN + c0 + c];
+        v *= p.scale_log2;
+        if (key0 + c0 + c >= limit) v = neg_inf();
+        sv[c] = v;
+        mx = fmaxf(mx, v);
+      }
+#pragma unroll
+      for (int off = 1; off < T::kLanesPerRow; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
+      const float m_new = fmaxf(m_run, mx);
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;
+      const float alpha = fast_exp2(m_run - m_use);
+      float sum = 0.f;
+      uint32_t* pw = reinterpret_cast<uint32_t*>(p_w + srow * T::kPLd + c0);
+#pragma unroll
+      for (int c = 0; c < T::kColsPerLane; c += 2) {
+        const uint32_t w2 = pack_bf16x2(fast_exp2(sv[c] - m_use), fast_exp2(sv[c + 1] - m_use));
+        sum += bf16_lo(w2) + bf16_hi(w2);  // the sum of what P V multiplies
+        pw[c / 2] = w2;
+      }
+#pragma unroll
+      for (int off = 1; off < T::kLanesPerRow; off <<= 1) sum += shfl_xor(sum, off);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
+      if (spart == 0) row_w[srow] = alpha;
+      sync_warp();
+    }
+
+    // ---- O = alpha O + P V over this warp's columns
+#pragma unroll
+    for (int i = 0; i < mma::kCElems; ++i) {
+      const float a = row_w[mma::c_row(lane, i)];
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n) o[n].v[i] *= a;
+    }
+    const bf16_t* vb = kt + wn * T::kNTiles * 16;
+#pragma unroll
+    for (int kk = 0; kk < T::kBN / 16; ++kk) {
+      mma::FragA pa;
+      mma::load_a(pa, p_w + kk * 16, T::kPLd);
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n) {
+        mma::FragB vf;
+        mma::load_b_kn(vf, vb + kk * 16 * T::kLd + n * 16, T::kLd);
+        mma::mma(o[n], pa, vf);
+      }
+    }
+    sync_warp();  // P and alpha of this warp are overwritten next tile
+  }
+  copy_wait<0>();
+
+  // ---- normalise and write: bf16 output directly, or an fp32 partial + LSE
+  sync_warp();
+  constexpr float kLn2 = 0.69314718055994531f;
+  const float inv_l = l_run > 0.f ? 1.f / l_run : 0.f;
+  const float lse = l_run > 0.f ? (m_run + fast_log2(l_run)) * kLn2 : neg_inf();
+  if (spart == 0) row_w[srow] = inv_l;
+  sync_warp();
+  const int col0 = wn * T::kNTiles * 16;
+  if (nsplit == 1) {
+    if (wn == 0 && spart == 0 && row0 + srow < p.rows) {
+      const int r = row0 + srow, i = r / p.h_q, h = r % p.h_q;
+      p.lse[(static_cast<int64_t>(b) * p.h_q + h) * p.s_q + i] = lse;
+    }
+#pragma unroll
+    for (int i = 0; i < mma::kCElems; i += (mma::kCPairedCols ? 2 : 1)) {
+      const int r = row0 + mma::c_row(lane, i);
+      if (r >= p.rows) continue;
+      const float sc = row_w[mma::c_row(lane, i)];
+      bf16_t* orow = p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv + col0;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n) {
+        const int c = n * 16 + mma::c_col(lane, i);
+        if constexpr (mma::kCPairedCols) {
+          *reinterpret_cast<uint32_t*>(orow + c) = pack_bf16x2(o[n].v[i] * sc, o[n].v[i + 1] * sc);
+        } else {
+          orow[c] = float_to_bf16(o[n].v[i] * sc);
+        }
+      }
+    }
+  } else {
+    const int64_t prow = static_cast<int64_t>(first_part + split) * p.rows;
+    if (wn == 0 && spart == 0 && row0 + srow < p.rows) p.lse_part[prow + row0 + srow] = lse;
+#pragma unroll
+    for (int i = 0; i < mma::kCElems; ++i) {
+      const int r = row0 + mma::c_row(lane, i);
+      if (r >= p.rows) continue;
+      const float sc = row_w[mma::c_row(lane, i)];
+      float* orow = p.o_part + (prow + r) * T::kDv + col0;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n) orow[n * 16 + mma::c_col(lane, i)] = o[n].v[i] * sc;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- planner
+// One block. Splits every sequence into parts of about `per_part` tiles, with
+// per_part chosen so that all parts together number about target_parts.
+constexpr int kPlanThreads = 1024;
+
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) {
+  __shared__ int scan[kPlanThreads];
+  __shared__ int total_s;
+  const int tid = thread_x();
+  auto tiles_of = [&](int b) {
+    const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
+    return L > 0 ? (L + p.tile - 1) / p.tile : 0;
+  };
+  // total tiles (an empty sequence counts one: it still gets a part)
+  int mine = 0;
+  for (int b = tid; b < p.bs; b += kPlanThreads) mine += tiles_of(b) > 0 ? tiles_of(b) : 1;
+  if (tid == 0) total_s = 0;
+  sync_threads();
+  atomic_add_relaxed(&total_s, mine);
+  sync_threads();
+  const int per_part = max(1, (total_s + p.target_parts - 1) / p.target_parts);
+
+  int carry = 0;  // parts of the sequences before this chunk
+  for (int base = 0; base < p.bs; base += kPlanThreads) {
+    const int b = base + tid;
+    const int tiles = b < p.bs ? tiles_of(b) : 0;
+    const int n = b < p.bs ? max(1, (tiles + per_part - 1) / per_part) : 0;
+    scan[tid] = n;
+    sync_threads();
+    for (int off = 1; off < kPlanThreads; off <<= 1) {  // inclusive Hillis-Steele scan
+      const int v = tid >= off ? scan[tid - off] : 0;
+      sync_threads();
+      scan[tid] += v;
+      sync_threads();
+    }
+    if (b < p.bs) {
+      const int first = carry + scan[tid] - n;
+      p.plan[kPlanSeqBase + 2 * b] = n;
+      p.plan[kPlanSeqBase + 2 * b + 1] = first;
+      const int per_split = (tiles + n - 1) / n;
+      int32_t* out = p.plan + plan_part_base(p.bs) + 4 * first;
+      for (int s = 0; s < n; ++s) {
+        out[4 * s + 0] = b;
+        out[4 * s + 1] = min(s * per_split, tiles);
+        out[4 * s + 2] = min((s + 1) * per_split, tiles);
+        out[4 * s + 3] = s;
+      }
+    }
+    carry += scan[kPlanThreads - 1];
+    sync_threads();
+  }
+  if (tid == 0) {
+    p.plan[0] = carry;
+    p.plan[1] = per_part;
+  }
+}
+
+// ---------------------------------------------------------------- combine
+// One warp per query row: merge the splits by their LSE.
+constexpr int kCombineWarps = 4;
+
+template <int kDv>
+__global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const CombineParams p) {
+  const int b = block_x();
+  const int n = p.seq_info[2 * b];
+  if (p.skip_single_split && n == 1) return;
+  const int first = p.seq_info[2 * b + 1];
+  const int warp = thread_x() / kWarpSize, lane = thread_x() % kWarpSize;
+  const int r = block_y() * kCombineWarps + warp;
+  if (r >= p.rows) return;
+  constexpr int kPer = kDv / kWarpSize;
+  static_assert(kDv % kWarpSize == 0, "Dv must be a multiple of the warp size");
+
+  float mx = neg_inf();
+  for (int s = 0; s < n; ++s) mx = fmaxf(mx, p.lse_part[static_cast<int64_t>(first + s) * p.rows + r]);
+  float acc[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) acc[k] = 0.f;
+  constexpr float kLog2e = 1.4426950408889634f;
+  float lse = neg_inf();
+  if (mx != neg_inf()) {
+    float sum = 0.f;
+    for (int s = 0; s < n; ++s)
+      sum += fast_exp2((p.lse_part[static_cast<int64_t>(first + s) * p.rows + r] - mx) * kLog2e);
+    lse = mx + fast_log2(sum) / kLog2e;
+    for (int s = 0; s < n; ++s) {
+      const int64_t pr = static_cast<int64_t>(first + s) * p.rows + r;
+      const float w = fast_exp2((p.lse_part[pr] - lse) * kLog2e);
+      if (w == 0.f) continue;  // an empty split's partial is never read
+      const float* src = p.o_part + pr * kDv;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) acc[k] += w * src[k * kWarpSize + lane];
+    }
+  }
+  bf16_t* dst = p.o + (static_cast<int64_t>(b) * p.rows + r) * kDv;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) dst[k * kWarpSize + lane] = float_to_bf16(acc[k]);
+  if (lane == 0) {
+    const int i = r / p.h_q, h = r % p.h_q;
+    p.lse[(static_cast<int64_t>(b) * p.h_q + h) * p.s_q + i] = lse;
+  }
+}
+
+}  // namespace
+
+const char* attn_kernel_info_576_512(AttnKernelInfo* info) {
+  using T = Tile576;
+  if (const char* e = set_max_dynamic_smem(attention_kernel<T>, T::kSmem)) return e;
+  info->rows_per_block = T::kM;
+  info->tile = T::kBN;
+  info->threads = T::kThreads;
+  info->smem_bytes = T::kSmem;
+  info->warp_size = kWarpSize;
+  info->blocks_per_sm = max_active_blocks(attention_kernel<T>, T::kThreads, T::kSmem);
+  if (info->blocks_per_sm <= 0) return "attention kernel cannot be resident on this device (occupancy 0)";
+  return nullptr;
+}
+
+const char* launch_plan(const PlanParams& p, stream_t stream) {
+  if (p.bs <= 0 || p.target_parts <= 0 || p.tile <= 0) return "launch_plan: bad parameters";
+  plan_kernel<<<1, kPlanThreads, 0, stream>>>(p);
+  return last_launch_error();
+}
+
+const char* launch_attention_576_512(const AttnParams& p, stream_t stream) {
+  using T = Tile576;
+  if (p.rope != T::kRope) return "launch_attention: rope width must be 64 for D=576, Dv=512";
+  const int head_blocks = (p.rows + T::kM - 1) / T::kM;
+  dim3 grid(head_blocks, p.max_parts);
+  attention_kernel<T><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+  return last_launch_error();
+}
+
+const char* launch_combine(const CombineParams& p, stream_t stream) {
+  dim3 grid(p.bs, (p.rows + kCombineWarps - 1) / kCombineWarps);
+  switch (p.dv) {
+    case 512:
+      combine_kernel<512><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
+      break;
+    default:
+      return "launch_combine: unsupported value width (supported: 512)";
+  }
+  return last_launch_error();
+}
+
+}  // namespace mla

@@ -1,0 +1,50 @@
+// A bf16 storage type of our own, with explicit conversions, so that the same
+// kernel source compiles against CUDA 13 and the HIP 5.2 headers (which have
+// no hip_bf16.h). Round-to-nearest-even, NaN kept quiet, like PyTorch.
+#pragma once
+
+#include "vendor.h"
+
+namespace mla {
+
+struct alignas(2) bf16_t {
+  uint16_t bits;
+};
+
+MLA_HOST_DEVICE float bf16_to_float(bf16_t v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  return __builtin_bit_cast(float, u);
+}
+
+MLA_HOST_DEVICE bf16_t float_to_bf16(float f) {
+  uint32_t u = __builtin_bit_cast(uint32_t, f);
+  bf16_t r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it a quiet NaN
+    r.bits = static_cast<uint16_t>((u >> 16) | 0x0040u);
+    return r;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  r.bits = static_cast<uint16_t>(u >> 16);
+  return r;
+}
+
+// Round a float to the nearest bf16 value and back (the semantics of one
+// bf16 operation in PyTorch: compute in fp32, round the result).
+MLA_HOST_DEVICE float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+// Two floats into one 32-bit word of two bf16 (lo in the low half).
+MLA_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+#if MLA_NVIDIA
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return static_cast<uint32_t>(float_to_bf16(lo).bits) |
+         (static_cast<uint32_t>(float_to_bf16(hi).bits) << 16);
+#endif
+}
+
+MLA_DEVICE float bf16_lo(uint32_t w) { return __builtin_bit_cast(float, w << 16); }
+MLA_DEVICE float bf16_hi(uint32_t w) { return __builtin_bit_cast(float, w & 0xffff0000u); }
+
+}  // namespace mla

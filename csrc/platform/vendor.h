@@ -1,0 +1,180 @@
+// The vendor layer: the only header in the tree that knows whether it is
+// compiled by nvcc (NVIDIA, sm_90) or by hipcc/clang (AMD, gfx942).
+// Everything else includes this and uses the names below.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#define MLA_AMD 1
+#define MLA_NVIDIA 0
+#include <hip/hip_runtime.h>
+#else
+#define MLA_AMD 0
+#define MLA_NVIDIA 1
+#include <cuda_runtime.h>
+#endif
+
+#define MLA_DEVICE __device__ __forceinline__
+#define MLA_HOST_DEVICE __host__ __device__ __forceinline__
+#define MLA_GLOBAL __global__
+
+namespace mla {
+
+#if MLA_AMD
+using stream_t = hipStream_t;
+using error_t = hipError_t;
+#else
+using stream_t = cudaStream_t;
+using error_t = cudaError_t;
+#endif
+
+// ---------------------------------------------------------------- host side
+// Last launch error as a string, or nullptr when the launch succeeded.
+// Callers (csrc/api) turn a non-null answer into a Python exception.
+inline const char* last_launch_error() {
+#if MLA_AMD
+  hipError_t e = hipGetLastError();
+  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+#else
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
+// Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA).
+// Returns an error string or nullptr.
+template <typename Kernel>
+inline const char* set_max_dynamic_smem(Kernel kernel, int bytes) {
+#if MLA_AMD
+  hipError_t e = hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                     hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+#else
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
+#if defined(__CUDACC__) || defined(__HIP__)  // device code: kernel sources only
+// -------------------------------------------------------------- device side
+#if MLA_AMD
+constexpr int kWarpSize = 64;  // gfx942 (CDNA3) runs wave64
+#else
+constexpr int kWarpSize = 32;
+#endif
+
+// Thread and block indices through builtins: on AMD this keeps the device-only
+// compile free of library calls (see DESIGN.md), on NVIDIA it is the usual.
+MLA_DEVICE int thread_x() {
+#if MLA_AMD
+  return __builtin_amdgcn_workitem_id_x();
+#else
+  return threadIdx.x;
+#endif
+}
+MLA_DEVICE int block_x() {
+#if MLA_AMD
+  return __builtin_amdgcn_workgroup_id_x();
+#else
+  return blockIdx.x;
+#endif
+}
+MLA_DEVICE int block_y() {
+#if MLA_AMD
+  return __builtin_amdgcn_workgroup_id_y();
+#else
+  return blockIdx.y;
+#endif
+}
+MLA_DEVICE int block_z() {
+#if MLA_AMD
+  return __builtin_amdgcn_workgroup_id_z();
+#else
+  return blockIdx.z;
+#endif
+}
+
+MLA_DEVICE void sync_threads() {
+#if MLA_AMD
+  // the HIP headers' __syncthreads calls a device-library fence; builtins need none
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+#else
+  __syncthreads();
+#endif
+}
+
+MLA_DEVICE void atomic_add_relaxed(int* p, int v) {
+#if MLA_AMD
+  __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+#else
+  atomicAdd(p, v);
+#endif
+}
+
+MLA_DEVICE void sync_warp() {
+#if MLA_AMD
+  // a wave executes in lock step; only the compiler must not reorder LDS ops
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+MLA_DEVICE float shfl_xor(float v, int mask) {
+#if MLA_AMD
+  // ds_bpermute addresses lanes in bytes
+  int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+  int src = (lane ^ mask) << 2;
+  return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute(src, __builtin_bit_cast(int, v)));
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
+
+// 2^x, the hardware approximation on both vendors (softmax only).
+MLA_DEVICE float fast_exp2(float x) {
+#if MLA_AMD
+  return __builtin_amdgcn_exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+// log2(x), hardware approximation (used once per row for the LSE).
+MLA_DEVICE float fast_log2(float x) {
+#if MLA_AMD
+  return __builtin_amdgcn_logf(x);
+#else
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+MLA_DEVICE float neg_inf() { return -__builtin_inff(); }
+
+#endif  // device code
+
+}  // namespace mla
+
+namespace mla {
+// Resident blocks of `kernel` per SM/CU at this block size and dynamic
+// shared memory, from the runtime's occupancy calculator (0 on error).
+template <typename Kernel>
+inline int max_active_blocks(Kernel kernel, int threads, int smem_bytes) {
+  int n = 0;
+#if MLA_AMD
+  if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes) != hipSuccess) return 0;
+#else
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes) != cudaSuccess) return 0;
+#endif
+  return n;
+}
+}  // namespace mla

@@ -1,0 +1,18 @@
+"""mla_decode: one decode step of DeepSeek-V3/R1 Multi-head Latent Attention.
+
+    y, cache = mla_decode.custom_kernel((config, x, kv_cache))
+
+``mla_decode.backend()`` says which implementation runs and why.
+"""
+
+from ._ext import backend, kernels_built, kernels_usable
+from .attention import attention_reference, mla_attention, mla_combine, rope_table
+from .decoder import Dims, MLADecoder, MLAInputError, custom_kernel
+from . import reference, roofline
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backend", "kernels_built", "kernels_usable", "custom_kernel", "MLADecoder", "MLAInputError", "Dims",
+    "mla_attention", "mla_combine", "attention_reference", "rope_table", "reference", "roofline",
+]

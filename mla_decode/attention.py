@@ -1,0 +1,116 @@
+"""The absorbed MQA decode attention over the latent cache, as an op.
+
+Every query row attends over one shared latent row per position,
+key = [c_t | k_pe_t] (576 wide), value = c_t (512 wide). See the README's
+"Attention op" section for the contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._ext import kernels_built, require_kernels
+
+__all__ = ["mla_attention", "mla_combine", "attention_reference", "rope_table"]
+
+D, DV, ROPE = 576, 512, 64
+
+
+def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tensor:
+    """[max_positions, rope] bf16: cos of the rope/2 frequencies | sin of
+    them, exactly as the task rounds them (mla_decode.reference.rope_cos_sin)."""
+    from .reference import rope_cos_sin
+
+    cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), rope)
+    return torch.cat([cos[:, : rope // 2], sin[:, : rope // 2]], dim=-1).contiguous()
+
+
+def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
+                  out=None, lse=None):
+    """Split-KV absorbed attention on the GPU kernels.
+
+    q: [bs, s_q, h_q, 576] bf16; kv: [bs, max_seq_len, 576] bf16 (the task's
+    cache) or, with ``block_table`` [bs, max_blocks] int32, pages
+    [num_blocks, block_size, (1,) 576]; seqlens: [bs] int32 on the device;
+    rope_cs: None (keys used as stored) or ``rope_table(...)`` (the last 64
+    key columns rotated at their position on the fly, the task's RoPE).
+    Returns (out [bs, s_q, h_q, 512] bf16, lse [bs, h_q, s_q] fp32, natural
+    log). A sequence of length 0 gives out = 0 and lse = -inf.
+    ``out``/``lse`` may be passed in (destination passing)."""
+    require_kernels(q.device)
+    if (out is None) != (lse is None):
+        raise ValueError("pass both out and lse, or neither")
+    if out is None:
+        return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal))
+    torch.ops.mla_decode.attention_out(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
+                                       out, lse)
+    return out, lse
+
+
+def mla_combine(o_part, lse_part):
+    """Merge split-KV partials by their LSE.
+
+    o_part: [bs, num_splits, s_q, h_q, 512] fp32 (each split's normalised
+    output); lse_part: [bs, num_splits, s_q, h_q] fp32 (natural log; -inf
+    for an empty split). Returns (out [bs, s_q, h_q, 512] bf16,
+    lse [bs, h_q, s_q] fp32)."""
+    require_kernels(o_part.device)
+    return torch.ops.mla_decode.combine(o_part, lse_part)
+
+
+def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
+                        dtype=torch.float64):
+    """The op's semantics in plain PyTorch (``dtype`` math, one sequence at a
+    time): the oracle of the attention tests."""
+    bs, s_q, h_q, _ = q.shape
+    lens = seqlens.tolist()
+    out = torch.zeros(bs, s_q, h_q, DV, dtype=dtype, device=q.device)
+    lse = torch.full((bs, h_q, s_q), float("-inf"), dtype=dtype, device=q.device)
+    for b in range(bs):
+        L = lens[b]
+        if L <= 0:
+            continue
+        rows_bf = kv_rows_bf16(kv, block_table, b, L)
+        rows = rows_bf.to(dtype)
+        if rope_cs is not None:
+            from .reference import rope_rotate
+
+            half = rope_cs.shape[1] // 2
+            cos = torch.cat([rope_cs[:L, :half]] * 2, dim=-1)
+            sin = torch.cat([rope_cs[:L, half:]] * 2, dim=-1)
+            k_pe = rope_rotate(rows_bf[:, DV:], cos, sin)
+            rows = torch.cat([rows[:, :DV], k_pe.to(dtype)], dim=-1)
+        s = torch.einsum("ihd,ld->ihl", q[b].to(dtype), rows) * softmax_scale
+        if causal and s_q > 1:
+            pos = torch.arange(L, device=q.device)
+            lim = L - (s_q - 1 - torch.arange(s_q, device=q.device))
+            s = s.masked_fill(pos[None, None, :] >= lim[:, None, None], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        o = torch.einsum("ihl,ld->ihd", p, rows[:, :DV]) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        out[b] = o
+        lse[b] = torch.where(denom[..., 0] > 0, (m + torch.log(denom))[..., 0], torch.full_like(m[..., 0], float("-inf"))).T
+    return out, lse
+
+
+def kv_rows_bf16(kv, block_table, b, L):
+    if block_table is None:
+        return kv[b, :L]
+    page = kv.shape[1]
+    pages = block_table[b, : (L + page - 1) // page].long()
+    return kv[pages].reshape(-1, kv.shape[-1])[:L]
+
+
+if kernels_built():
+    @torch.library.register_fake("mla_decode::attention")
+    def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal):
+        bs, s_q, h_q, _ = q.shape
+        return q.new_empty(bs, s_q, h_q, DV), q.new_empty(bs, h_q, s_q, dtype=torch.float32)
+
+    @torch.library.register_fake("mla_decode::combine")
+    def _combine_fake(o_part, lse_part):
+        bs, _, s_q, h_q, dv = o_part.shape
+        return (o_part.new_empty(bs, s_q, h_q, dv, dtype=torch.bfloat16),
+                o_part.new_empty(bs, h_q, s_q))

@@ -1,0 +1,52 @@
+import math
+
+import pytest
+import torch
+
+import mla_decode
+from mla_decode.reference import generate_input
+
+# the task's acceptance rule (SPEC): |out - ref| <= ATOL + RTOL * |ref|, NaN/inf positions identical
+ATOL, RTOL = 8e-3, 2e-2
+
+GPU_REASON = f"needs a GPU with the compiled kernels: {mla_decode.backend()}"
+needs_gpu = pytest.mark.skipif(not mla_decode.kernels_usable("cuda"), reason=GPU_REASON)
+
+SMALL = dict(dim=96, q_lora_rank=48, n_heads=4, kv_lora_rank=32, nope=16, rope=8, v=24, max_seq_len=64)
+
+
+def assert_task_rule(out, ref, name="output", atol=ATOL, rtol=RTOL):
+    """The task checker: element-wise tolerance and identical non-finite positions."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o, r = out.double(), ref.double()
+    for kind, fn in (("NaN", torch.isnan), ("+inf", lambda t: t == math.inf), ("-inf", lambda t: t == -math.inf)):
+        assert torch.equal(fn(o), fn(r)), f"{name}: {kind} positions differ"
+    fin = torch.isfinite(r)
+    err = (o[fin] - r[fin]).abs()
+    lim = atol + rtol * r[fin].abs()
+    bad = (err > lim).sum().item()
+    assert bad == 0, (f"{name}: {bad} of {fin.sum().item()} elements outside the task tolerance; "
+                      f"max excess {(err - lim).max().item():.3g}, max abs err {err.max().item():.3g}")
+
+
+def assert_drift(out, ref, ref64, name="y", factor=1.5):
+    """Tighter than the task rule and independent of the reference's own
+    rounding luck: against a float64 evaluation, our relative (Frobenius)
+    error must stay within `factor` times the literal bf16 reference's."""
+    ours, theirs = rel_err(out, ref64), rel_err(ref, ref64)
+    assert ours <= factor * theirs + 1e-4, (
+        f"{name}: relative error {ours:.3e} against float64, the bf16 reference has {theirs:.3e} (allowed x{factor})")
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def small_input():
+    def make(bs=3, prefill=5, seed=0, device="cpu", **over):
+        kw = dict(SMALL)
+        kw.update(over)
+        return generate_input(batch_size=bs, prefill=prefill, seed=seed, device=device, **kw)
+    return make

@@ -1,0 +1,128 @@
+"""Bad input raises a clear exception naming what was expected, and leaves the cache untouched."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import mla_decode
+from mla_decode import MLAInputError
+
+
+def call_and_check_untouched(config, x, kv, exc, match):
+    before, seq = kv.data.clone(), kv.seq_len
+    with pytest.raises(exc, match=match):
+        mla_decode.MLADecoder(backend="torch")(config, x, kv)
+    assert torch.equal(kv.data, before), "the cache changed on a failed call"
+    assert kv.seq_len == seq
+
+
+def test_x_dtype(small_input):
+    config, x, kv = small_input()
+    call_and_check_untouched(config, x.float(), kv, TypeError, r"x must be torch.bfloat16, got torch.float32")
+
+
+def test_x_shape(small_input):
+    config, x, kv = small_input()
+    call_and_check_untouched(config, x.view(x.shape[0], -1)[:, :-1].reshape(x.shape[0], 1, -1).contiguous(), kv,
+                             MLAInputError, r"x must have shape \[bs, 1, 96\], got \[3, 1, 95\]")
+    call_and_check_untouched(config, torch.cat([x, x], 1), kv, MLAInputError, r"x must have shape \[bs, 1, 96\]")
+
+
+@pytest.mark.parametrize("name,expect", [
+    ("Q_proj_down_weight", r"\[q_lora_rank, dim\] = \[48, 96\]"),
+    ("KV_proj_down_weight", r"\[kv_lora_rank \+ rope, dim\] = \[40, 96\]"),
+    ("Q_proj_up_weight", r"\[n_heads \* \(nope \+ rope\), q_lora_rank\] = \[96, 48\]"),
+    ("KV_proj_up_weight", r"\[n_heads \* \(nope \+ v\), kv_lora_rank\] = \[160, 32\]"),
+    ("wo_weight", r"\[dim, n_heads \* v\] = \[96, 96\]"),
+])
+def test_weight_shapes(small_input, name, expect):
+    config, x, kv = small_input()
+    w = getattr(config, name)
+    bad = dataclasses.replace(config, **{name: w[:-1].contiguous()})
+    call_and_check_untouched(bad, x, kv, MLAInputError, f"config.{name} must have shape {expect}")
+
+
+def test_weight_dtype(small_input):
+    config, x, kv = small_input()
+    bad = dataclasses.replace(config, wo_weight=config.wo_weight.half())
+    call_and_check_untouched(bad, x, kv, TypeError, r"config.wo_weight must be torch.bfloat16, got torch.float16")
+
+
+def test_weight_on_another_device(small_input):
+    config, x, kv = small_input()
+    bad = dataclasses.replace(config, Q_proj_up_weight=config.Q_proj_up_weight.to("meta"))
+    call_and_check_untouched(bad, x, kv, MLAInputError, r"config.Q_proj_up_weight must be on cpu \(where x is\), got meta")
+
+
+def test_weight_not_contiguous(small_input):
+    config, x, kv = small_input()
+    w = config.wo_weight
+    strided = torch.empty(w.shape[0], w.shape[1] * 2, dtype=w.dtype)[:, ::2]
+    strided.copy_(w)
+    bad = dataclasses.replace(config, wo_weight=strided)
+    call_and_check_untouched(bad, x, kv, MLAInputError, r"config.wo_weight must be contiguous in its last dimension")
+    t = torch.empty(w.shape[1], w.shape[0], dtype=w.dtype).T
+    t.copy_(w)
+    bad = dataclasses.replace(config, wo_weight=t)
+    call_and_check_untouched(bad, x, kv, MLAInputError, r"config.wo_weight must be contiguous")
+
+
+def test_x_not_contiguous(small_input):
+    config, x, kv = small_input()
+    xs = torch.empty(x.shape[0], 2, x.shape[2], dtype=x.dtype)[:, :1]
+    xs.copy_(x)
+    xs = torch.empty(x.shape[0], 1, x.shape[2] * 2, dtype=x.dtype)[:, :, ::2]
+    xs.copy_(x)
+    call_and_check_untouched(config, xs, kv, MLAInputError, r"x must be contiguous")
+
+
+def test_cache_width(small_input):
+    config, x, kv = small_input()
+    kv.data = torch.zeros(3, 64, 41, dtype=torch.bfloat16)
+    call_and_check_untouched(config, x, kv, MLAInputError,
+                             r"kv_cache.data must have shape \[bs=3, max_seq_len, kv_lora_rank \+ rope = 40\]")
+
+
+def test_cache_batch(small_input):
+    config, x, kv = small_input()
+    kv.data = kv.data[:2].clone()
+    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache.data must have shape \[bs=3")
+
+
+def test_cache_dtype(small_input):
+    config, x, kv = small_input()
+    kv.data = kv.data.float()
+    call_and_check_untouched(config, x, kv, TypeError, r"kv_cache.data must be torch.bfloat16, got torch.float32")
+
+
+def test_cache_full(small_input):
+    config, x, kv = small_input(prefill=64)
+    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache is full: seq_len 64 == max_seq_len 64")
+
+
+def test_cache_not_contiguous_last_dim(small_input):
+    config, x, kv = small_input()
+    big = torch.zeros(3, 64, 80, dtype=torch.bfloat16)[:, :, ::2]
+    big.copy_(kv.data)
+    kv.data = big
+    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache.data must be contiguous in its last dimension")
+
+
+def test_bad_seq_len(small_input):
+    config, x, kv = small_input()
+    kv.seq_len = -1
+    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache.seq_len must be a non-negative int, got -1")
+
+
+def test_bad_backend_name():
+    with pytest.raises(ValueError, match="backend must be"):
+        mla_decode.MLADecoder(backend="fast")
+
+
+def test_kernels_backend_refuses_clearly_without_kernels(small_input):
+    config, x, kv = small_input()
+    before = kv.data.clone()
+    with pytest.raises(RuntimeError, match="backend='kernels' requested but not usable"):
+        mla_decode.MLADecoder(backend="kernels")(config, x, kv)
+    assert torch.equal(kv.data, before) and kv.seq_len == 5

@@ -1,0 +1,143 @@
+"""The PyTorch fallback against the literal reference, the cache contract and
+a decode loop. Runs on the CPU everywhere (and on the GPU where one exists,
+through the fallback backend)."""
+
+import pytest
+import torch
+
+import mla_decode
+from mla_decode.reference import decode_step_float64, generate_input, ref_kernel
+
+from conftest import SMALL, assert_drift, assert_task_rule
+
+
+def run_both(config, x, kv, backend="torch"):
+    kv_ref = kv.clone()
+    y_ref, data_ref = ref_kernel((config, x, kv_ref))
+    dec = mla_decode.MLADecoder(backend=backend)
+    y, data = dec(config, x, kv)
+    return y, data, y_ref, data_ref, kv_ref, dec
+
+
+@pytest.mark.parametrize("over", [
+    {},
+    dict(n_heads=2, nope=8, rope=4, v=8),
+    dict(n_heads=8, kv_lora_rank=64, rope=16, v=32),
+    dict(dim=128, q_lora_rank=64, n_heads=3, nope=32, rope=32, v=16),
+])
+@pytest.mark.parametrize("bs,prefill", [(1, 40), (3, 60), (2, 62)])
+def test_fallback_matches_reference_small(small_input, over, bs, prefill):
+    config, x, kv = small_input(bs=bs, prefill=prefill, seed=bs * 100 + prefill, **over)
+    y, data, y_ref, data_ref, kv_ref, _ = run_both(config, x, kv)
+    assert_task_rule(y, y_ref, "y")
+    assert_task_rule(data, data_ref, "cache")
+    assert kv.seq_len == kv_ref.seq_len == prefill + 1
+    assert_drift(y, y_ref, decode_step_float64(config, x, data_ref, kv_ref.seq_len))
+
+
+@pytest.mark.parametrize("bs,prefill", [(1, 0), (3, 1), (2, 5)])
+def test_fallback_short_sequences_against_float64(small_input, bs, prefill):
+    # With a handful of keys y is O(1) and the task's bf16 chain itself strays
+    # near (sometimes past) its own tolerance against float64, so two correct
+    # implementations need not agree under the task rule here: judge by the
+    # error against float64, relative to the reference's own.
+    config, x, kv = small_input(bs=bs, prefill=prefill, seed=bs + 10 * prefill)
+    y, data, y_ref, data_ref, kv_ref, _ = run_both(config, x, kv)
+    assert torch.equal(data[:, :prefill], data_ref[:, :prefill])
+    assert_task_rule(data, data_ref, "cache")
+    assert_drift(y, y_ref, decode_step_float64(config, x, data_ref, kv_ref.seq_len))
+
+
+@pytest.mark.parametrize("bs,prefill", [(1, 100), (2, 130)])
+def test_fallback_matches_reference_real_dims(bs, prefill):
+    config, x, kv = generate_input(batch_size=bs, prefill=prefill, max_seq_len=160, seed=7 + bs)
+    y, data, y_ref, data_ref, kv_ref, _ = run_both(config, x, kv)
+    assert_task_rule(y, y_ref, "y")
+    assert_task_rule(data, data_ref, "cache")
+    assert_drift(y, y_ref, decode_step_float64(config, x, data_ref, kv_ref.seq_len))
+
+
+def test_wo_scaled_by_dim(small_input):
+    config, x, kv = small_input(bs=2, prefill=50, wo_scale="dim")
+    y, data, y_ref, data_ref, _, _ = run_both(config, x, kv)
+    assert_task_rule(y, y_ref, "y")
+
+
+def test_cache_contract(small_input):
+    config, x, kv = small_input(bs=3, prefill=6)
+    buf = kv.data
+    before = buf.clone()
+    y, data = mla_decode.MLADecoder(backend="torch")(config, x, kv)
+    assert data is buf and kv.data is buf, "the returned cache must be the caller's buffer"
+    assert kv.seq_len == 7
+    assert y.shape == (3, 1, SMALL["dim"]) and y.dtype == torch.bfloat16
+    assert torch.equal(data[:, :6], before[:, :6]), "rows before seq_len changed"
+    assert torch.equal(data[:, 7:], before[:, 7:]), "rows after the new one changed"
+    kv_new = x.view(3, -1) @ config.KV_proj_down_weight.T
+    assert_task_rule(data[:, 6], kv_new, "new row")
+    assert not torch.equal(data[:, 6], before[:, 6])
+
+
+def test_decode_loop(small_input):
+    config, x, kv = small_input(bs=2, prefill=40, max_seq_len=64)
+    kv_ref = kv.clone()
+    dec = mla_decode.MLADecoder(backend="torch")
+    gen = torch.Generator().manual_seed(5)
+    for step in range(8):
+        x = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+        y_ref, _ = ref_kernel((config, x, kv_ref))
+        y, _ = dec(config, x, kv)
+        assert_task_rule(y, y_ref, f"y at step {step}")
+        assert_task_rule(kv.data, kv_ref.data, f"cache at step {step}")
+        assert kv.seq_len == kv_ref.seq_len == 41 + step
+
+
+def test_fill_to_the_last_row_then_full(small_input):
+    config, x, kv = small_input(bs=1, prefill=14, max_seq_len=16)
+    dec = mla_decode.MLADecoder(backend="torch")
+    dec(config, x, kv)
+    dec(config, x, kv)
+    assert kv.seq_len == 16
+    before = kv.data.clone()
+    with pytest.raises(mla_decode.MLAInputError, match="full"):
+        dec(config, x, kv)
+    assert torch.equal(kv.data, before) and kv.seq_len == 16
+
+
+def test_weights_changed_in_place_are_not_served_stale(small_input):
+    config, x, kv = small_input(bs=2, prefill=40)
+    dec = mla_decode.MLADecoder(backend="torch")
+    kv2, kv_ref = kv.clone(), kv.clone()
+    y_old, _ = dec(config, x, kv)
+    with torch.no_grad():
+        config.KV_proj_up_weight.mul_(-1.5)  # in place: same object, new version
+    y, _ = dec(config, x, kv2)
+    y_ref, _ = ref_kernel((config, x, kv_ref))
+    assert not torch.equal(y, y_old)
+    assert_task_rule(y, y_ref, "y after an in-place weight change")
+
+
+def test_new_weight_objects(small_input):
+    config, x, kv = small_input(bs=2, prefill=40)
+    dec = mla_decode.MLADecoder(backend="torch")
+    dec(config, x, kv.clone())
+    config.wo_weight = -config.wo_weight  # a new object (negation is exact)
+    kv_a = kv.clone()
+    y, _ = dec(config, x, kv_a)
+    y_ref, _ = ref_kernel((config, x, kv.clone()))
+    assert_task_rule(y, y_ref, "y with new weights")
+
+
+def test_custom_kernel_entry_point(small_input):
+    config, x, kv = small_input(bs=2, prefill=40)
+    kv_ref = kv.clone()
+    y, data = mla_decode.custom_kernel((config, x, kv))
+    y_ref, data_ref = ref_kernel((config, x, kv_ref))
+    assert data is kv.data
+    assert_task_rule(y, y_ref, "y")
+    assert_task_rule(data, data_ref, "cache")
+
+
+def test_backend_is_named():
+    text = mla_decode.backend("cpu")
+    assert text.startswith("torch-fallback (") and len(text) > 20

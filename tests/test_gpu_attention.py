@@ -1,0 +1,134 @@
+"""The attention kernel (split-KV absorbed MQA + combine) against a float64
+evaluation on the GPU. Unused cache rows and the outputs are NaN-poisoned."""
+
+import math
+
+import pytest
+import torch
+
+import mla_decode
+from mla_decode import attention_reference, mla_attention, mla_combine, rope_table
+
+from conftest import needs_gpu, rel_err
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+D, DV = 576, 512
+
+
+def make_case(lens, h_q=128, s_q=1, max_seq=None, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bs = len(lens)
+    max_seq = max_seq or max(max(lens), 1)
+    kv = torch.randn(bs, max_seq, D, device="cuda", generator=g).to(torch.bfloat16)
+    for b, L in enumerate(lens):
+        kv[b, L:] = float("nan")  # never to be read
+    q = torch.randn(bs, s_q, h_q, D, device="cuda", generator=g).to(torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, kv, seqlens
+
+
+def poisoned_out(q):
+    bs, s_q, h_q, _ = q.shape
+    return (torch.full((bs, s_q, h_q, DV), float("nan"), dtype=torch.bfloat16, device="cuda"),
+            torch.full((bs, h_q, s_q), float("nan"), dtype=torch.float32, device="cuda"))
+
+
+def check(out, lse, ref_o, ref_lse, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in out (unwritten or poisoned rows leaked)"
+    assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
+    e = rel_err(out, ref_o)
+    assert e < 8e-3, f"{what}: relative error of out {e:.2e}"
+    err = (out.double() - ref_o).abs().max().item()
+    assert err < 3e-2 * ref_o.abs().max().item() + 1e-3, f"{what}: max abs error of out {err:.3g}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)), f"{what}: lse finite positions differ"
+    lerr = (lse.double()[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+    assert lerr < 2e-3, f"{what}: max abs error of lse {lerr:.3g}"
+
+
+@pytest.mark.parametrize("L", [1, 2, 63, 64, 65, 513, 777, 4097, 8192])
+@pytest.mark.parametrize("bs", [1, 3])
+@pytest.mark.parametrize("rope", [False, True])
+def test_attention_lengths(L, bs, rope):
+    q, kv, seqlens = make_case([L] * bs, max_seq=L + 7, seed=L + bs)
+    cs = rope_table(kv.shape[1], device="cuda") if rope else None
+    scale = 1 / math.sqrt(192)
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, scale, rope_cs=cs, out=out, lse=lse)
+    ro, rl = attention_reference(q, kv, seqlens, scale, rope_cs=cs)
+    check(out, lse, ro, rl, f"L={L} bs={bs} rope={rope}")
+
+
+@pytest.mark.parametrize("L", [65, 777, 4097])
+def test_attention_bs128(L):
+    q, kv, seqlens = make_case([L] * 128, max_seq=L + 3, seed=L)
+    cs = rope_table(kv.shape[1], device="cuda")
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, out=out, lse=lse)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07, rope_cs=cs)
+    check(out, lse, ro, rl, f"bs=128 L={L}")
+
+
+def test_attention_mixed_lengths_and_empty():
+    lens = [0, 1, 300, 8192, 65, 4000, 0, 2]
+    q, kv, seqlens = make_case(lens, max_seq=8192, seed=3)
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.1, out=out, lse=lse)
+    ro, rl = attention_reference(q, kv, seqlens, 0.1)
+    check(out, lse, ro, rl, "mixed lengths")
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+
+
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (24, 1), (128, 2), (64, 4)])
+def test_attention_heads_and_causal(h_q, s_q):
+    lens = [5, 700, 129]
+    q, kv, seqlens = make_case(lens, h_q=h_q, s_q=s_q, max_seq=800, seed=h_q + s_q)
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.05, causal=True, out=out, lse=lse)
+    ro, rl = attention_reference(q, kv, seqlens, 0.05, causal=True)
+    check(out, lse, ro, rl, f"h_q={h_q} s_q={s_q} causal")
+
+
+def test_attention_returns_new_tensors():
+    q, kv, seqlens = make_case([100, 33], seed=9)
+    out, lse = mla_attention(q, kv, seqlens, 0.1)
+    ro, rl = attention_reference(q, kv, seqlens, 0.1)
+    check(out, lse, ro, rl, "allocating call")
+
+
+def test_attention_bad_inputs():
+    q, kv, seqlens = make_case([10, 10], seed=1)
+    with pytest.raises(ValueError, match=r"q must have shape \[bs, s_q, h_q, 576\], got \[2, 1, 128, 512\]"):
+        mla_attention(q[..., :512].contiguous(), kv, seqlens, 0.1)
+    with pytest.raises(TypeError, match=r"seqlens must be Int, got Long"):
+        mla_attention(q, kv, seqlens.long(), 0.1)
+    with pytest.raises(ValueError, match=r"kv must have shape \[bs, max_seq_len, 576\], got \[3, 10, 576\]"):
+        mla_attention(q, torch.cat([kv, kv[:1]]), seqlens, 0.1)
+    with pytest.raises(ValueError, match=r"seqlens must be on cuda:0 \(where q is\), got cpu"):
+        mla_attention(q, kv, seqlens.cpu(), 0.1)
+    with pytest.raises(ValueError, match=r"rope_cs must cover every cache position"):
+        mla_attention(q, kv, seqlens, 0.1, rope_cs=rope_table(4, device="cuda"))
+
+
+def test_combine_op():
+    g = torch.Generator(device="cuda").manual_seed(4)
+    bs, n, s_q, h_q = 3, 5, 2, 16
+    o_part = torch.randn(bs, n, s_q, h_q, DV, device="cuda", generator=g)
+    lse_part = torch.randn(bs, n, s_q, h_q, device="cuda", generator=g) * 3
+    lse_part[0, 2] = float("-inf")  # an empty split: its partial must be ignored
+    o_part[0, 2] = float("nan")
+    out, lse = mla_combine(o_part, lse_part)
+    lp = lse_part.double()
+    ref_lse = torch.logsumexp(lp, dim=1)                      # [bs, s_q, h_q]
+    w = torch.exp(lp - ref_lse[:, None])
+    ref_o = (w[..., None] * torch.nan_to_num(o_part.double())).sum(1)
+    assert rel_err(out, ref_o) < 5e-3
+    assert (lse.double() - ref_lse.permute(0, 2, 1)).abs().max().item() < 1e-4
+    assert lse.shape == (bs, h_q, s_q) and out.shape == (bs, s_q, h_q, DV)
+
+
+def test_combine_all_empty_gives_zero_not_nan():
+    o_part = torch.zeros(1, 2, 1, 8, DV, device="cuda")
+    lse_part = torch.full((1, 2, 1, 8), float("-inf"), device="cuda")
+    out, lse = mla_combine(o_part, lse_part)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()

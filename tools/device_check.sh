@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: build, GPU tests, attention and decode benchmarks, SASS
+# summary. Results under $OUT (or ./.out). Usage: bash tools/device_check.sh [quick]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-.out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+export MAX_JOBS=16 PYTHONUNBUFFERED=1
+t0=$(date +%s)
+bash run.sh test -x ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -25
+echo "build+tests: $(( $(date +%s) - t0 )) s"
+so=$(PYTHONSAFEPATH=1 python3 -c "import mla_decode._C as c; print(c.__file__)")
+cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
+echo "SASS: HMMA $(grep -c HMMA "$OUT/sass.txt") HGMMA $(grep -c HGMMA "$OUT/sass.txt") LDL/STL $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
+export PYTHONSAFEPATH=1
+python3 benchmarks/bench_attention.py --json "$OUT/attn.json" 2>&1 | tee "$OUT/attn.txt"
+[ "${1:-}" = quick ] || python3 benchmarks/bench_decode.py --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/decode.txt"
