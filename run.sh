@@ -26,13 +26,15 @@ for mod in pytest ninja setuptools wheel; do
 done
 $PY -c "import matplotlib" 2>/dev/null || $PY -m pip install -q matplotlib || echo "(matplotlib unavailable: --plot will not work)"
 
+# run from outside the source tree's import path so the installed package
+# (with its compiled _C) is the one imported
+export PYTHONSAFEPATH=1
+
 # build and install the package (kernels compile where a GPU toolkit is present)
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 $PY -m pip install -q --no-build-isolation --no-deps .
 $PY -c "import mla_decode; print('mla_decode backend:', mla_decode.backend())"
 
-# run from outside the source tree so the installed package (with its _C) is used
-export PYTHONSAFEPATH=1
 case "$what" in
   bench) exec $PY benchmarks/bench_decode.py "$@" ;;
   test) exec $PY -m pytest -q -rs tests "$@" ;;

@@ -65,11 +65,14 @@ def extension():
     except ImportError:
         return None, "PyTorch is not importable at build time (use pip install --no-build-isolation)"
     srcs = sources({"kernel", "host", "python"})
+    # PyTorch 2.13+ headers need C++20; older ones are built (and tested) with C++17
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    std = "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
     if torch.version.hip is not None:
         archs = os.environ.get("MLA_DECODE_HIP_ARCHS", "gfx942")
         os.environ.setdefault("PYTORCH_ROCM_ARCH", archs)
-        cxx = ["-O3", "-std=c++20", f'-DMLA_BUILD_ARCHS="{archs}"']
-        hip = ["-O3", "-std=c++20", f'-DMLA_BUILD_ARCHS="{archs}"'] + [f"--offload-arch={a}" for a in archs.split(";")]
+        cxx = ["-O3", std, f'-DMLA_BUILD_ARCHS="{archs}"']
+        hip = ["-O3", std, f'-DMLA_BUILD_ARCHS="{archs}"'] + [f"--offload-arch={a}" for a in archs.split(";")]
         return ce.CUDAExtension("mla_decode._C", srcs, extra_compile_args={"cxx": cxx, "nvcc": hip}), None
     if torch.version.cuda is not None and ce.CUDA_HOME is not None:
         archs = os.environ.get("MLA_DECODE_CUDA_ARCHS", "9.0a")
@@ -78,8 +81,8 @@ def extension():
         cccl = os.path.join(ce.CUDA_HOME, "include", "cccl")  # <cuda/std/...> for the host compiler (CUDA 13)
         incs = [cccl] if os.path.isdir(cccl) else []
         incs += cuda_library_headers(ce.CUDA_HOME)
-        cxx = ["-O3", "-std=c++20", f'-DMLA_BUILD_ARCHS="{label}"'] + ["-I" + i for i in incs]
-        nvcc = ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr", f'-DMLA_BUILD_ARCHS="{label}"']
+        cxx = ["-O3", std, f'-DMLA_BUILD_ARCHS="{label}"'] + ["-I" + i for i in incs]
+        nvcc = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr", f'-DMLA_BUILD_ARCHS="{label}"']
         return ce.CUDAExtension("mla_decode._C", srcs, extra_compile_args={"cxx": cxx, "nvcc": nvcc}), None
     return None, f"PyTorch {torch.__version__} has no CUDA/HIP support or no toolkit was found (CUDA_HOME={ce.CUDA_HOME})"
 

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstdlib>
 #include <mutex>
 
 #include "../kernels/attention/attention.h"
@@ -25,6 +26,18 @@ struct DeviceAttnInfo {
   int sm_count = 0;
 };
 
+// The tile variant of the attention kernel: 0 unless MLA_DECODE_ATTN_VARIANT
+// says otherwise (an experiment switch for the benchmarks; read once).
+int attn_variant() {
+  static const int v = [] {
+    const char* s = std::getenv("MLA_DECODE_ATTN_VARIANT");
+    const int v = s ? std::atoi(s) : 0;
+    TORCH_CHECK(v >= 0 && v < kAttnVariants, "MLA_DECODE_ATTN_VARIANT must be in [0, ", kAttnVariants, "), got ", s);
+    return v;
+  }();
+  return v;
+}
+
 // Kernel facts and the SM/CU count, read once per device from the runtime.
 const DeviceAttnInfo& device_attn_info(int device) {
   static std::mutex mu;
@@ -36,7 +49,7 @@ const DeviceAttnInfo& device_attn_info(int device) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    check_launch(attn_kernel_info_576_512(&info.kernel), "attention kernel setup");
+    check_launch(attn_kernel_info_576_512(attn_variant(), &info.kernel), "attention kernel setup");
     TORCH_CHECK(props->warpSize == info.kernel.warp_size, "the attention kernel was compiled for warp size ",
                 info.kernel.warp_size, " but device ", device, " runs warp size ", props->warpSize);
     info.sm_count = props->multiProcessorCount;
@@ -178,7 +191,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.rope = static_cast<int>(kRope);
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
-  check_launch(launch_attention_576_512(ap, stream), "attention launch");
+  check_launch(launch_attention_576_512(attn_variant(), ap, stream), "attention launch");
 
   CombineParams cp{};
   cp.o_part = ap.o_part;
@@ -243,8 +256,8 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
 
 std::vector<int64_t> attention_info(int64_t device) {
   const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device));
-  return {i.kernel.rows_per_block, i.kernel.tile,      i.kernel.threads, i.kernel.smem_bytes,
-          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count};
+  return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
+          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       attn_variant()};
 }
 
 }  // namespace mla::api

@@ -20,20 +20,12 @@
 namespace mla {
 namespace {
 
-template <int kD_, int kDv_>
+template <int kD_, int kDv_, int kWM_, int kWN_, int kBN_, int kStages_>
 struct AttnTile {
   static constexpr int kD = kD_;
   static constexpr int kDv = kDv_;
   static constexpr int kRope = kD - kDv;
-#if MLA_AMD
-  // MI300X: 64 KB LDS per CU, wave64. Q and O live in VGPRs/AGPRs
-  // (72 + 128 per lane), the LDS holds a 2 x 16-key ring (37 KB).
-  static constexpr int kWM = 4, kWN = 1, kBN = 16, kStages = 2;
-#else
-  // H100/H200: 8 warps, Q slice 72 + O 128 registers per thread, one block
-  // per SM by registers; a 2 x 32-key ring (75 KB).
-  static constexpr int kWM = 4, kWN = 2, kBN = 32, kStages = 2;
-#endif
+  static constexpr int kWM = kWM_, kWN = kWN_, kBN = kBN_, kStages = kStages_;
   static constexpr int kWarps = kWM * kWN;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kM = 16 * kWM;
@@ -58,7 +50,25 @@ struct AttnTile {
   static_assert(kStages >= 2, "need at least double buffering");
 };
 
-using Tile576 = AttnTile<576, 512>;
+// The tile variants, per vendor; variant 0 is the default.
+#if MLA_AMD
+// MI300X: 64 KB LDS per CU, wave64. Q and O live in VGPRs/AGPRs (72 + 128
+// per lane), the LDS holds a 2 x 16-key ring (37 KB).
+using Tile576V0 = AttnTile<576, 512, 4, 1, 16, 2>;
+using Tile576V1 = Tile576V0;
+using Tile576V2 = Tile576V0;
+using Tile576V3 = Tile576V0;
+#else
+// H100/H200, one block per SM by registers:
+// V0: 8 warps, Q slice 72 + O 128 registers per thread, 3 x 32-key ring
+// V1: the same with a 2-deep ring
+// V2: 16 warps (Q 36 + O 64 registers), 4 x 16-key ring
+// V3: 16 warps, 3 x 32-key ring
+using Tile576V0 = AttnTile<576, 512, 4, 2, 32, 3>;
+using Tile576V1 = AttnTile<576, 512, 4, 2, 32, 2>;
+using Tile576V2 = AttnTile<576, 512, 4, 4, 16, 4>;
+using Tile576V3 = AttnTile<576, 512, 4, 4, 32, 3>;
+#endif
 
 template <typename T>
 MLA_DEVICE const bf16_t* kv_row(const AttnParams& p, int b, int t) {
@@ -386,8 +396,8 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
 
 }  // namespace
 
-const char* attn_kernel_info_576_512(AttnKernelInfo* info) {
-  using T = Tile576;
+template <typename T>
+const char* kernel_info(AttnKernelInfo* info) {
   if (const char* e = set_max_dynamic_smem(attention_kernel<T>, T::kSmem)) return e;
   info->rows_per_block = T::kM;
   info->tile = T::kBN;
@@ -399,19 +409,39 @@ const char* attn_kernel_info_576_512(AttnKernelInfo* info) {
   return nullptr;
 }
 
+const char* attn_kernel_info_576_512(int variant, AttnKernelInfo* info) {
+  switch (variant) {
+    case 0: return kernel_info<Tile576V0>(info);
+    case 1: return kernel_info<Tile576V1>(info);
+    case 2: return kernel_info<Tile576V2>(info);
+    case 3: return kernel_info<Tile576V3>(info);
+    default: return "attention: unknown kernel variant (valid: 0..3)";
+  }
+}
+
 const char* launch_plan(const PlanParams& p, stream_t stream) {
   if (p.bs <= 0 || p.target_parts <= 0 || p.tile <= 0) return "launch_plan: bad parameters";
   plan_kernel<<<1, kPlanThreads, 0, stream>>>(p);
   return last_launch_error();
 }
 
-const char* launch_attention_576_512(const AttnParams& p, stream_t stream) {
-  using T = Tile576;
+template <typename T>
+const char* launch_variant(const AttnParams& p, stream_t stream) {
   if (p.rope != T::kRope) return "launch_attention: rope width must be 64 for D=576, Dv=512";
   const int head_blocks = (p.rows + T::kM - 1) / T::kM;
   dim3 grid(head_blocks, p.max_parts);
   attention_kernel<T><<<grid, T::kThreads, T::kSmem, stream>>>(p);
   return last_launch_error();
+}
+
+const char* launch_attention_576_512(int variant, const AttnParams& p, stream_t stream) {
+  switch (variant) {
+    case 0: return launch_variant<Tile576V0>(p, stream);
+    case 1: return launch_variant<Tile576V1>(p, stream);
+    case 2: return launch_variant<Tile576V2>(p, stream);
+    case 3: return launch_variant<Tile576V3>(p, stream);
+    default: return "attention: unknown kernel variant (valid: 0..3)";
+  }
 }
 
 const char* launch_combine(const CombineParams& p, stream_t stream) {

@@ -19,9 +19,11 @@ struct AttnKernelInfo {
 };
 
 // D = 576 (512 latent + 64 rope), Dv = 512: the DeepSeek-V3 shapes.
-const char* attn_kernel_info_576_512(AttnKernelInfo* info);
+// `variant` picks a tile configuration (0 = default; see attention.cu).
+constexpr int kAttnVariants = 4;
+const char* attn_kernel_info_576_512(int variant, AttnKernelInfo* info);
 const char* launch_plan(const PlanParams& p, stream_t stream);
-const char* launch_attention_576_512(const AttnParams& p, stream_t stream);
+const char* launch_attention_576_512(int variant, const AttnParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 
 }  // namespace mla
