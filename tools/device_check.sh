@@ -13,5 +13,9 @@ so=$(PYTHONSAFEPATH=1 python3 -c "import mla_decode._C as c; print(c.__file__)")
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
 echo "SASS: HMMA $(grep -c HMMA "$OUT/sass.txt") HGMMA $(grep -c HGMMA "$OUT/sass.txt") LDL/STL $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
 export PYTHONSAFEPATH=1
-python3 benchmarks/bench_attention.py --json "$OUT/attn.json" 2>&1 | tee "$OUT/attn.txt"
+cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -A1 attention_kernel | grep -oE "REG:[0-9]+|STACK:[0-9]+|SHARED:[0-9]+|LOCAL:[0-9]+" | paste -sd' ' | tee "$OUT/resources.txt"
+for v in ${VARIANTS:-0}; do
+  echo "== attention variant $v"
+  MLA_DECODE_ATTN_VARIANT=$v python3 benchmarks/bench_attention.py --json "$OUT/attn$v.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn$v.txt"
+done
 [ "${1:-}" = quick ] || python3 benchmarks/bench_decode.py --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/decode.txt"
