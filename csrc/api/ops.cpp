@@ -32,7 +32,8 @@ int attn_variant() {
   static const int v = [] {
     const char* s = std::getenv("MLA_DECODE_ATTN_VARIANT");
     const int v = s ? std::atoi(s) : 0;
-    TORCH_CHECK(v >= 0 && v < kAttnVariants, "MLA_DECODE_ATTN_VARIANT must be in [0, ", kAttnVariants, "), got ", s);
+    if (v < 0 || v >= kAttnVariants)
+      fail_value("MLA_DECODE_ATTN_VARIANT must be in [0, " + num(int64_t{kAttnVariants}) + "), got " + std::string(s));
     return v;
   }();
   return v;
@@ -43,15 +44,16 @@ const DeviceAttnInfo& device_attn_info(int device) {
   static std::mutex mu;
   static std::array<DeviceAttnInfo, 64> cache{};
   static std::array<bool, 64> ready{};
-  TORCH_CHECK(device >= 0 && device < 64, "device index out of range: ", device);
+  if (device < 0 || device >= 64) fail_value("device index out of range: " + num(int64_t{device}));
   std::lock_guard<std::mutex> lock(mu);
   if (!ready[device]) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
     check_launch(attn_kernel_info_576_512(attn_variant(), &info.kernel), "attention kernel setup");
-    TORCH_CHECK(props->warpSize == info.kernel.warp_size, "the attention kernel was compiled for warp size ",
-                info.kernel.warp_size, " but device ", device, " runs warp size ", props->warpSize);
+    if (props->warpSize != info.kernel.warp_size)
+      fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +
+           num(int64_t{device}) + " runs warp size " + num(int64_t{props->warpSize}));
     info.sm_count = props->multiProcessorCount;
     cache[device] = info;
     ready[device] = true;
@@ -75,10 +77,9 @@ KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_t
     check_dtype(bt, "block_table", at::kInt);
     check_last_dim_contiguous(bt, "block_table");
     check_shape(bt, "block_table", {bs, -1}, "[bs, max_blocks_per_seq]");
-    TORCH_CHECK_VALUE(kv.dim() == 3 || (kv.dim() == 4 && kv.size(2) == 1),
-                      "paged kv must have shape [num_blocks, block_size, 576] or [num_blocks, block_size, 1, 576], got ",
-                      shape_str(kv));
-    TORCH_CHECK_VALUE(kv.size(-1) == kD, "kv must have last dimension 576, got ", shape_str(kv));
+    if (!(kv.dim() == 3 || (kv.dim() == 4 && kv.size(2) == 1)) || kv.size(-1) != kD)
+      fail_value("paged kv must have shape [num_blocks, block_size, 576] or [num_blocks, block_size, 1, 576], got " +
+                 shape_str(kv));
     l.page_stride = kv.stride(0);
     l.row_stride = kv.stride(1);
     l.page_size = kv.size(1);
@@ -92,7 +93,7 @@ KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_t
     l.capacity = kv.size(1);
     l.bt_stride = 0;
   }
-  TORCH_CHECK_VALUE(l.page_size > 0, "kv must hold at least one row per page, got ", shape_str(kv));
+  if (l.page_size <= 0) fail_value("kv must hold at least one row per page, got " + shape_str(kv));
   return l;
 }
 
@@ -102,7 +103,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse) {
   // device
-  TORCH_CHECK_VALUE(q.is_cuda(), "q must be on a GPU, got ", q.device().str());
+  if (!q.is_cuda()) fail_value("q must be on a GPU, got " + q.device().str());
   const at::Device dev = q.device();
   check_device(seqlens, "seqlens", dev);
   check_device(out, "out", dev);
@@ -115,11 +116,11 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   // layout and shape
   check_shape(q, "q", {-1, -1, -1, kD}, "[bs, s_q, h_q, 576]");
   const int64_t bs = q.size(0), s_q = q.size(1), h_q = q.size(2);
-  TORCH_CHECK_VALUE(bs > 0 && s_q > 0 && h_q > 0, "q must have non-empty bs, s_q and h_q, got ", shape_str(q));
+  if (bs <= 0 || s_q <= 0 || h_q <= 0) fail_value("q must have non-empty bs, s_q and h_q, got " + shape_str(q));
   check_last_dim_contiguous(q, "q");
-  TORCH_CHECK_VALUE(s_q == 1 || q.stride(1) == h_q * q.stride(2),
-                    "q must have its (s_q, h_q) dimensions laid out densely (stride(1) == h_q * stride(2)), got strides ",
-                    q.strides());
+  if (s_q != 1 && q.stride(1) != h_q * q.stride(2))
+    fail_value("q must have its (s_q, h_q) dimensions laid out densely (stride(1) == h_q * stride(2)), got strides " +
+               list_str(q.strides()));
   const KvLayout kl = check_kv(kv, block_table, bs, dev);
   check_shape(seqlens, "seqlens", {bs}, "[bs]");
   check_contiguous(seqlens, "seqlens");
@@ -132,10 +133,11 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
     check_dtype(*rope_cs, "rope_cs", at::kBFloat16);
     check_contiguous(*rope_cs, "rope_cs");
     check_shape(*rope_cs, "rope_cs", {-1, kRope}, "[positions, 64]");
-    TORCH_CHECK_VALUE(rope_cs->size(0) >= kl.capacity, "rope_cs must cover every cache position (",
-                      kl.capacity, " rows), got ", shape_str(*rope_cs));
+    if (rope_cs->size(0) < kl.capacity)
+      fail_value("rope_cs must cover every cache position (" + num(kl.capacity) + " rows), got " +
+                 shape_str(*rope_cs));
   }
-  TORCH_CHECK_VALUE(softmax_scale > 0.0, "softmax_scale must be positive, got ", softmax_scale);
+  if (!(softmax_scale > 0.0)) fail_value("softmax_scale must be positive, got " + num(softmax_scale));
 
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
@@ -145,7 +147,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   const int64_t target_parts =
       std::max<int64_t>(1, static_cast<int64_t>(info.sm_count) * info.kernel.blocks_per_sm / head_blocks);
   const int64_t max_parts = target_parts + bs;
-  TORCH_CHECK(max_parts <= 65535, "too many parts for one launch: ", max_parts);
+  if (max_parts > 65535) fail("too many parts for one launch: " + num(max_parts));
 
   auto i32 = q.options().dtype(at::kInt);
   auto f32 = q.options().dtype(at::kFloat);
@@ -212,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& block_table,
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
                                              bool causal) {
-  TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape [bs, s_q, h_q, 576], got ", shape_str(q));
+  if (q.dim() != 4) fail_value("q must have shape [bs, s_q, h_q, 576], got " + shape_str(q));
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDv}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse);
@@ -220,17 +222,17 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part) {
-  TORCH_CHECK_VALUE(o_part.is_cuda(), "o_part must be on a GPU, got ", o_part.device().str());
+  if (!o_part.is_cuda()) fail_value("o_part must be on a GPU, got " + o_part.device().str());
   check_device(lse_part, "lse_part", o_part.device());
   check_dtype(o_part, "o_part", at::kFloat);
   check_dtype(lse_part, "lse_part", at::kFloat);
   check_shape(o_part, "o_part", {-1, -1, -1, -1, kDv}, "[bs, num_splits, s_q, h_q, 512]");
   const int64_t bs = o_part.size(0), n = o_part.size(1), s_q = o_part.size(2), h_q = o_part.size(3);
-  TORCH_CHECK_VALUE(bs > 0 && n > 0 && s_q > 0 && h_q > 0, "o_part must be non-empty, got ", shape_str(o_part));
+  if (bs <= 0 || n <= 0 || s_q <= 0 || h_q <= 0) fail_value("o_part must be non-empty, got " + shape_str(o_part));
   check_shape(lse_part, "lse_part", {bs, n, s_q, h_q}, "[bs, num_splits, s_q, h_q] (matching o_part)");
   check_contiguous(o_part, "o_part");
   check_contiguous(lse_part, "lse_part");
-  TORCH_CHECK(bs * n <= INT32_MAX && s_q * h_q <= INT32_MAX, "combine: sizes overflow int32");
+  if (bs * n > INT32_MAX || s_q * h_q > INT32_MAX) fail("combine: sizes overflow int32");
 
   c10::cuda::CUDAGuard guard(o_part.device());
   auto i32 = o_part.options().dtype(at::kInt);

@@ -42,7 +42,8 @@ struct AttnTile {
   static constexpr int kSBytes = kWN * kM * kBN * 4;
   static constexpr int kPBytes = kWarps * 16 * kPLd * 2;
   static constexpr int kRowBytes = kWarps * 16 * 4;
-  static constexpr int kSmem = kKvBytes + kSBytes + kPBytes + kRowBytes;
+  static constexpr int kCsBytes = kStages * kBN * kRope * 2;  // RoPE cos|sin rows, prefetched with the keys
+  static constexpr int kSmem = kKvBytes + kSBytes + kPBytes + kRowBytes + kCsBytes;
 
   static_assert(kD % (16 * kWN) == 0 && kDv % (16 * kWN) == 0, "D and Dv must split over kWN warps");
   static_assert(kD % 8 == 0 && kRope % 2 == 0 && kRope > 0, "bad D / rope");
@@ -84,6 +85,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
   float* s_s = reinterpret_cast<float*>(smem + T::kKvBytes);
   bf16_t* p_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes);
   float* row_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes);
+  bf16_t* cs_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes);
 
   const int part = block_y();
   if (part >= p.plan[0]) return;
@@ -109,6 +111,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
       const bool valid = t < L;
       const bf16_t* src = valid ? kv_row<T>(p, b, t) + ch * 8 : p.kv;
       copy16_async(dst + r * T::kLd + ch * 8, src, valid);
+    }
+    if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
+      constexpr int kCsChunks = T::kRope / 8;
+      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope;
+      for (int c = tid; c < T::kBN * kCsChunks; c += T::kThreads) {
+        const int r = c / kCsChunks, t = tile * T::kBN + r;
+        const bool valid = t < L;
+        copy16_async(cdst + c * 8, valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + (c % kCsChunks) * 8 : p.rope_cs,
+                     valid);
+      }
     }
   };
 #pragma unroll
@@ -154,8 +166,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
         const int r = e / kHalf, jj = e % kHalf, t = key0 + r;
         if (t < L) {
           bf16_t* x = kt + r * T::kLd + (T::kD - T::kRope);
-          const float c = bf16_to_float(p.rope_cs[t * T::kRope + jj]);
-          const float s = bf16_to_float(p.rope_cs[t * T::kRope + kHalf + jj]);
+          const bf16_t* cs = cs_s + ((j % T::kStages) * T::kBN + r) * T::kRope;
+          const float c = bf16_to_float(cs[jj]);
+          const float s = bf16_to_float(cs[kHalf + jj]);
           const float x1 = bf16_to_float(x[jj]), x2 = bf16_to_float(x[kHalf + jj]);
           x[jj] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
           x[kHalf + jj] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
