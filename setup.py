@@ -64,7 +64,7 @@ def extension():
         from torch.utils import cpp_extension as ce
     except ImportError:
         return None, "PyTorch is not importable at build time (use pip install --no-build-isolation)"
-    srcs = sources({"kernel", "host", "python"})
+    srcs = sources({"kernel", "nvkernel", "host", "python"})
     # PyTorch 2.13+ headers need C++20; older ones are built (and tested) with C++17
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     std = "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"

@@ -32,8 +32,8 @@ int attn_variant() {
   static const int v = [] {
     const char* s = std::getenv("MLA_DECODE_ATTN_VARIANT");
     const int v = s ? std::atoi(s) : 0;
-    if (v < 0 || v >= kAttnVariants)
-      fail_value("MLA_DECODE_ATTN_VARIANT must be in [0, " + num(int64_t{kAttnVariants}) + "), got " + std::string(s));
+    if (v < 0 || v > kAttnVariants)
+      fail_value("MLA_DECODE_ATTN_VARIANT must be in [0, " + num(int64_t{kAttnVariants}) + "], got " + std::string(s));
     return v;
   }();
   return v;
@@ -50,7 +50,9 @@ const DeviceAttnInfo& device_attn_info(int device) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    check_launch(attn_kernel_info_576_512(attn_variant(), &info.kernel), "attention kernel setup");
+    const int v = attn_variant();
+    check_launch(v == kAttnVariants ? attn_kernel_info_sm90(&info.kernel) : attn_kernel_info_576_512(v, &info.kernel),
+                 "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
       fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +
            num(int64_t{device}) + " runs warp size " + num(int64_t{props->warpSize}));
@@ -193,7 +195,10 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.rope = static_cast<int>(kRope);
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
-  check_launch(launch_attention_576_512(attn_variant(), ap, stream), "attention launch");
+  const int variant = attn_variant();
+  check_launch(variant == kAttnVariants ? launch_attention_sm90(ap, stream)
+                                        : launch_attention_576_512(variant, ap, stream),
+               "attention launch");
 
   CombineParams cp{};
   cp.o_part = ap.o_part;

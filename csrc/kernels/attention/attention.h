@@ -20,10 +20,15 @@ struct AttnKernelInfo {
 
 // D = 576 (512 latent + 64 rope), Dv = 512: the DeepSeek-V3 shapes.
 // `variant` picks a tile configuration (0 = default; see attention.cu).
-constexpr int kAttnVariants = 4;
+constexpr int kAttnVariants = 4;  // + variant 4: the Hopper kernel (host side)
 const char* attn_kernel_info_576_512(int variant, AttnKernelInfo* info);
 const char* launch_plan(const PlanParams& p, stream_t stream);
 const char* launch_attention_576_512(int variant, const AttnParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
+
+// Hopper variant (attention_sm90.cu, wgmma; NVIDIA sm_90a builds only):
+// same contract and planner as the portable kernel.
+const char* attn_kernel_info_sm90(AttnKernelInfo* info);
+const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
 
 }  // namespace mla

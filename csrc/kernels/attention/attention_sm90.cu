@@ -1,0 +1,331 @@
+// Hopper (sm_90a) variant of the split-KV absorbed MQA decode: warpgroup MMA.
+//
+// Same contract, planner, partial layout and combine as attention.cu; only the
+// block's inner loop differs. One block = 64 query rows x one planned part,
+// two warpgroups (256 threads):
+//   S = Q K^T  each warpgroup multiplies half of the 576-wide k-range
+//              (wgmma m64n32k16, Q and K from shared memory, 128B-swizzled);
+//              the two fp32 partials are summed through shared memory;
+//   softmax    redundantly in both warpgroups, in registers (each thread owns
+//              rows g and g+8 of its warp's 16), P stays in registers;
+//   O += P V   warpgroup w owns output columns [256 w, 256 w + 256)
+//              (wgmma m64n256k16, P from registers, V = the same key tile read
+//              MN-major through a transposed descriptor: no second copy).
+// Keys stream through a 3-deep cp.async ring; RoPE of the keys is applied in
+// shared memory as in attention.cu.
+#include "../../platform/bf16.h"
+#include "../../platform/copy.h"
+#include "../../platform/vendor.h"
+#include "../../platform/wgmma_sm90.h"
+#include "attention.h"
+
+namespace mla {
+
+#if MLA_NVIDIA
+namespace {
+
+struct Sm90Tile {
+  static constexpr int kD = 576, kDv = 512, kRope = 64;
+  static constexpr int kM = 64;          // query rows per block
+  static constexpr int kBN = 32;         // keys per tile
+  static constexpr int kStages = 3;
+  static constexpr int kThreads = 256;   // two warpgroups
+  static constexpr int kBlocks = kD / 64;              // 64-wide (128 B) column blocks
+  static constexpr int kQBlockBytes = kM * 128;         // one column block of Q
+  static constexpr int kKBlockBytes = kBN * 128;        // one column block of a key tile
+  static constexpr int kQBytes = kBlocks * kQBlockBytes;
+  static constexpr int kKStageBytes = kBlocks * kKBlockBytes;
+  static constexpr int kSBytes = 2 * kM * kBN * 4;
+  static constexpr int kCsStageBytes = kBN * kRope * 2;
+  static constexpr int kSmem = 1024 /*alignment slack*/ + kQBytes + kStages * kKStageBytes + kSBytes +
+                               kStages * kCsStageBytes;
+  static constexpr int kKSteps = kD / 16;               // 36, 18 per warpgroup
+  static_assert(kD % 64 == 0 && kRope == 64 && kBN == 32, "the sm90 tile is written for 576/512/64, 32 keys");
+};
+
+// Byte offset of 16-byte chunk `ch` (of the 72 per 576-wide row) of row `r`
+// in a tile of `rows` rows stored as 64-wide column blocks, 128B-swizzled.
+MLA_DEVICE uint32_t swz(int r, int ch, int block_bytes) {
+  return (ch >> 3) * block_bytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+}
+// Byte offset of element (r, col) in the same layout.
+MLA_DEVICE uint32_t swz_elem(int r, int col, int block_bytes) {
+  return swz(r, col >> 3, block_bytes) + (col & 7) * 2;
+}
+
+__global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = Sm90Tile;
+  extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));  // swizzle atoms: 1 KB
+  unsigned char* q_s = smem;
+  unsigned char* k_s = q_s + T::kQBytes;
+  float* s_s = reinterpret_cast<float*>(k_s + T::kStages * T::kKStageBytes);
+  bf16_t* cs_s = reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(s_s) + T::kSBytes);
+
+  const int part = block_y();
+  if (part >= p.plan[0]) return;
+  const int32_t* pi = p.plan + plan_part_base(p.bs) + 4 * part;
+  const int b = pi[0], tile_begin = pi[1], tile_end = pi[2], split = pi[3];
+  const int nsplit = p.plan[kPlanSeqBase + 2 * b];
+  const int first_part = p.plan[kPlanSeqBase + 2 * b + 1];
+  const int L = min(max(p.seqlens[b], 0), p.max_len);
+
+  const int tid = thread_x();
+  const int wg = tid / 128;                 // warpgroup
+  const int warp = (tid % 128) / 32;        // warp within the warpgroup: rows 16 warp ..
+  const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int row_base = block_x() * T::kM;
+  const int ntiles = tile_end - tile_begin;
+
+  auto load_tile = [&](int j) {
+    unsigned char* dst = k_s + (j % T::kStages) * T::kKStageBytes;
+    const int tile = tile_begin + j;
+    for (int c = tid; c < T::kBN * (T::kD / 8); c += T::kThreads) {
+      const int r = c / (T::kD / 8), ch = c % (T::kD / 8);
+      const int t = tile * T::kBN + r;
+      const bool valid = t < L;
+      const bf16_t* src = p.kv;
+      if (valid) {
+        src = p.block_table == nullptr
+                  ? p.kv + b * p.kv_page_stride + t * p.kv_row_stride
+                  : p.kv + p.block_table[b * p.block_table_stride + t / p.page_size] * p.kv_page_stride +
+                        (t % p.page_size) * p.kv_row_stride;
+        src += ch * 8;
+      }
+      copy16_async(dst + swz(r, ch, T::kKBlockBytes), src, valid);
+    }
+    if (p.rope_cs != nullptr) {
+      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope;
+      for (int c = tid; c < T::kBN * (T::kRope / 8); c += T::kThreads) {
+        const int r = c / (T::kRope / 8), t = tile * T::kBN + r;
+        const bool valid = t < L;
+        copy16_async(cdst + c * 8,
+                     valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + (c % (T::kRope / 8)) * 8 : p.rope_cs,
+                     valid);
+      }
+    }
+  };
+
+  // Q (64 rows x 576) once, then the first key tiles
+  for (int c = tid; c < T::kM * (T::kD / 8); c += T::kThreads) {
+    const int r = c / (T::kD / 8), ch = c % (T::kD / 8);
+    const bool valid = row_base + r < p.rows;
+    const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + ch * 8 : p.q;
+    copy16_async(q_s + swz(r, ch, T::kQBlockBytes), src, valid);
+  }
+  copy_commit();
+#pragma unroll
+  for (int j = 0; j < T::kStages - 1; ++j) {
+    if (j < ntiles) load_tile(j);
+    copy_commit();
+  }
+
+  // this thread's rows (within the block) and their causal limits
+  const int r0 = warp * 16 + g, r1 = r0 + 8;
+  int lim0 = L, lim1 = L;
+  if (p.causal) {
+    lim0 = L - (p.s_q - 1 - (row_base + r0) / p.h_q);
+    lim1 = L - (p.s_q - 1 - (row_base + r1) / p.h_q);
+  }
+  float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+
+  for (int j = 0; j < ntiles; ++j) {
+    copy_wait<T::kStages - 2>();
+    wg::fence_proxy_async();
+    sync_threads();  // tile j (and Q) landed for everyone; tile j-1's buffer is free
+    if (j + T::kStages - 1 < ntiles) load_tile(j + T::kStages - 1);
+    copy_commit();
+
+    unsigned char* kt = k_s + (j % T::kStages) * T::kKStageBytes;
+    const int key0 = (tile_begin + j) * T::kBN;
+    if (p.rope_cs != nullptr) {
+      constexpr int kHalf = T::kRope / 2;
+      const bf16_t* cs = cs_s + (j % T::kStages) * T::kBN * T::kRope;
+      for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
+        const int r = e / kHalf, jj = e % kHalf;
+        if (key0 + r < L) {
+          bf16_t* x1p = reinterpret_cast<bf16_t*>(kt + swz_elem(r, T::kDv + jj, T::kKBlockBytes));
+          bf16_t* x2p = reinterpret_cast<bf16_t*>(kt + swz_elem(r, T::kDv + kHalf + jj, T::kKBlockBytes));
+          const float c = bf16_to_float(cs[r * T::kRope + jj]), s = bf16_to_float(cs[r * T::kRope + kHalf + jj]);
+          const float x1 = bf16_to_float(*x1p), x2 = bf16_to_float(*x2p);
+          *x1p = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+          *x2p = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+        }
+      }
+      wg::fence_proxy_async();
+      sync_threads();
+    }
+
+    // ---- S partial over this warpgroup's 18 k-steps
+    float sacc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sacc[i] = 0.f;
+    wg::fence();
+#pragma unroll
+    for (int k = 0; k < T::kKSteps / 2; ++k) {
+      const int ks = wg * (T::kKSteps / 2) + k;
+      const uint32_t off_q = (ks >> 2) * T::kQBlockBytes + (ks & 3) * 32;
+      const uint32_t off_k = (ks >> 2) * T::kKBlockBytes + (ks & 3) * 32;
+      wg::wgmma_m64n32k16_ss(sacc, wg::desc_sw128(q_s + off_q, 16, 1024), wg::desc_sw128(kt + off_k, 16, 1024),
+                             k > 0 ? 1 : 0);
+    }
+    wg::commit();
+    wg::wait<0>();
+    // exchange the partials: slot i of this thread is row (i & 2 ? r1 : r0), col 8 (i / 4) + 2 t4 + (i & 1)
+    {
+      float* mine = s_s + wg * T::kM * T::kBN;
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const int r = (i & 2) ? r1 : r0, c = 8 * (i / 4) + 2 * t4;
+        *reinterpret_cast<float2*>(mine + r * T::kBN + c) = make_float2(sacc[i], sacc[i + 1]);
+      }
+    }
+    sync_threads();
+    {
+      const float* other = s_s + (1 - wg) * T::kM * T::kBN;
+#pragma unroll
+      for (int i = 0; i < 16; i += 2) {
+        const int r = (i & 2) ? r1 : r0, c = 8 * (i / 4) + 2 * t4;
+        const float2 v = *reinterpret_cast<const float2*>(other + r * T::kBN + c);
+        // the same sum in both warpgroups (a + b == b + a), so both see identical P
+        sacc[i] = wg == 0 ? sacc[i] + v.x : v.x + sacc[i];
+        sacc[i + 1] = wg == 0 ? sacc[i + 1] + v.y : v.y + sacc[i + 1];
+      }
+    }
+
+    // ---- online softmax in registers (rows r0: slots i&2==0, r1: i&2)
+    float mx0 = neg_inf(), mx1 = neg_inf();
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int c = 8 * (i / 4) + 2 * t4 + (i & 1);
+      const bool hi = (i & 2) != 0;
+      float v = sacc[i] * p.scale_log2;
+      if (key0 + c >= (hi ? lim1 : lim0)) v = neg_inf();
+      sacc[i] = v;
+      if (hi) mx1 = fmaxf(mx1, v); else mx0 = fmaxf(mx0, v);
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
+    const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
+    uint32_t pa[8];
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      const bool hi = (i & 2) != 0;
+      const float mu = hi ? mu1 : mu0;
+      const uint32_t w2 = pack_bf16x2(fast_exp2(sacc[i] - mu), fast_exp2(sacc[i + 1] - mu));
+      const float s2 = bf16_lo(w2) + bf16_hi(w2);  // the sum of what P V multiplies
+      if (hi) sum1 += s2; else sum0 += s2;
+      pa[i / 2] = w2;
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      sum0 += __shfl_xor_sync(0xffffffffu, sum0, off);
+      sum1 += __shfl_xor_sync(0xffffffffu, sum1, off);
+    }
+    l0 = l0 * a0 + sum0;
+    l1 = l1 * a1 + sum1;
+    m0 = mn0;
+    m1 = mn1;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
+
+    // ---- O += P V over this warpgroup's 256 columns (2 k-steps of 16 keys)
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < T::kBN / 16; ++kk) {
+      // A fragment for keys 16 kk ..: slots 8 kk .. 8 kk + 7 of S are exactly the mma A layout
+      const uint32_t a[4] = {pa[4 * kk + 0], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      const uint32_t off_v = (4 * wg) * T::kKBlockBytes + kk * 16 * 128;
+      wg::wgmma_m64n256k16_rs_tb(o, a, wg::desc_sw128(kt + off_v, T::kKBlockBytes, 1024));
+    }
+    wg::commit();
+    wg::wait<0>();
+  }
+  copy_wait<0>();
+
+  // ---- normalise and write
+  constexpr float kLn2 = 0.69314718055994531f;
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const int col0 = 256 * wg + 2 * t4;
+  if (nsplit == 1) {
+    if (wg == 0 && t4 == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_base + (h ? r1 : r0);
+        const float l = h ? l1 : l0, m = h ? m1 : m0;
+        if (r < p.rows)
+          p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] =
+              l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row_base + (h ? r1 : r0);
+      if (r >= p.rows) continue;
+      const float sc = h ? inv1 : inv0;
+      bf16_t* orow = p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv + col0;
+#pragma unroll
+      for (int jn = 0; jn < 32; ++jn)
+        *reinterpret_cast<uint32_t*>(orow + 8 * jn) = pack_bf16x2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+    }
+  } else {
+    const int64_t prow = static_cast<int64_t>(first_part + split) * p.rows;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row_base + (h ? r1 : r0);
+      if (r >= p.rows) continue;
+      const float l = h ? l1 : l0, m = h ? m1 : m0, sc = h ? inv1 : inv0;
+      if (wg == 0 && t4 == 0) p.lse_part[prow + r] = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
+      float* orow = p.o_part + (prow + r) * T::kDv + col0;
+#pragma unroll
+      for (int jn = 0; jn < 32; ++jn)
+        *reinterpret_cast<float2*>(orow + 8 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host never selects this kernel then
+#endif
+}
+
+}  // namespace
+
+const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
+  using T = Sm90Tile;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel, T::kSmem)) return e;
+  info->rows_per_block = T::kM;
+  info->tile = T::kBN;
+  info->threads = T::kThreads;
+  info->smem_bytes = T::kSmem;
+  info->warp_size = kWarpSize;
+  info->blocks_per_sm = max_active_blocks(attention_sm90_kernel, T::kThreads, T::kSmem);
+  if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
+  return nullptr;
+}
+
+const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
+  using T = Sm90Tile;
+  if (p.rope != T::kRope) return "launch_attention_sm90: rope width must be 64";
+  dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
+  attention_sm90_kernel<<<grid, T::kThreads, T::kSmem, stream>>>(p);
+  return last_launch_error();
+}
+
+#else  // AMD: the Hopper kernel does not exist there
+
+const char* attn_kernel_info_sm90(AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
+const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
+
+#endif
+
+}  // namespace mla
