@@ -62,8 +62,8 @@ def extension():
     try:
         import torch
         from torch.utils import cpp_extension as ce
-    except ImportError:
-        return None, "PyTorch is not importable at build time (use pip install --no-build-isolation)"
+    except ImportError as e:
+        return None, f"PyTorch is not importable at build time ({e}); use pip install --no-build-isolation"
     srcs = sources({"kernel", "nvkernel", "host", "python"})
     # PyTorch 2.13+ headers need C++20; older ones are built (and tested) with C++17
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])

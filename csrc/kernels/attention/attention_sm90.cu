@@ -79,32 +79,42 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
   const int row_base = block_x() * T::kM;
   const int ntiles = tile_end - tile_begin;
 
+  // Key tile loads. Thread tid copies chunks c = tid + 256 i of the tile's
+  // 32 x 72 16-byte chunks; (row, chunk) advance incrementally (256 = 3 rows
+  // + 40 chunks) so the loop carries no divisions and 32-bit offsets only.
+  const bf16_t* kv_seq = p.block_table == nullptr ? p.kv + b * p.kv_page_stride : p.kv;
   auto load_tile = [&](int j) {
     unsigned char* dst = k_s + (j % T::kStages) * T::kKStageBytes;
-    const int tile = tile_begin + j;
-    for (int c = tid; c < T::kBN * (T::kD / 8); c += T::kThreads) {
-      const int r = c / (T::kD / 8), ch = c % (T::kD / 8);
-      const int t = tile * T::kBN + r;
-      const bool valid = t < L;
-      const bf16_t* src = p.kv;
-      if (valid) {
-        src = p.block_table == nullptr
-                  ? p.kv + b * p.kv_page_stride + t * p.kv_row_stride
-                  : p.kv + p.block_table[b * p.block_table_stride + t / p.page_size] * p.kv_page_stride +
-                        (t % p.page_size) * p.kv_row_stride;
-        src += ch * 8;
-      }
-      copy16_async(dst + swz(r, ch, T::kKBlockBytes), src, valid);
-    }
-    if (p.rope_cs != nullptr) {
-      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope;
-      for (int c = tid; c < T::kBN * (T::kRope / 8); c += T::kThreads) {
-        const int r = c / (T::kRope / 8), t = tile * T::kBN + r;
+    const int key_base = (tile_begin + j) * T::kBN;
+    int r = tid / 72, ch = tid % 72;
+#pragma unroll
+    for (int i = 0; i < (T::kBN * 72 + T::kThreads - 1) / T::kThreads; ++i) {
+      if (r < T::kBN) {
+        const int t = key_base + r;
         const bool valid = t < L;
-        copy16_async(cdst + c * 8,
-                     valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + (c % (T::kRope / 8)) * 8 : p.rope_cs,
-                     valid);
+        const bf16_t* src = p.kv;
+        if (valid) {
+          src = p.block_table == nullptr
+                    ? kv_seq + static_cast<int64_t>(t) * p.kv_row_stride + ch * 8
+                    : p.kv + p.block_table[b * p.block_table_stride + t / p.page_size] * p.kv_page_stride +
+                          (t % p.page_size) * p.kv_row_stride + ch * 8;
+        }
+        copy16_async(dst + swz(r, ch, T::kKBlockBytes), src, valid);
       }
+      ch += 40;
+      r += 3;
+      if (ch >= 72) {
+        ch -= 72;
+        r += 1;
+      }
+    }
+    if (p.rope_cs != nullptr && tid < T::kBN * (T::kRope / 8)) {  // 256 chunks: one per thread
+      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope;
+      const int rr = tid / (T::kRope / 8), t = key_base + rr;
+      const bool valid = t < L;
+      copy16_async(cdst + tid * 8,
+                   valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + (tid % (T::kRope / 8)) * 8 : p.rope_cs,
+                   valid);
     }
   };
 
@@ -130,6 +140,11 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     lim1 = L - (p.s_q - 1 - (row_base + r1) / p.h_q);
   }
   float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
+  // descriptors once; per k-step only the start address (16-byte units, low
+  // bits) moves, which never carries out of its 14-bit field (< 256 KB)
+  const uint64_t dq = wg::desc_sw128(q_s, 16, 1024);
+  const uint64_t dk = wg::desc_sw128(k_s, 16, 1024);
+  const uint64_t dv = wg::desc_sw128(k_s, T::kKBlockBytes, 1024);
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -170,9 +185,8 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     for (int k = 0; k < T::kKSteps / 2; ++k) {
       const int ks = wg * (T::kKSteps / 2) + k;
       const uint32_t off_q = (ks >> 2) * T::kQBlockBytes + (ks & 3) * 32;
-      const uint32_t off_k = (ks >> 2) * T::kKBlockBytes + (ks & 3) * 32;
-      wg::wgmma_m64n32k16_ss(sacc, wg::desc_sw128(q_s + off_q, 16, 1024), wg::desc_sw128(kt + off_k, 16, 1024),
-                             k > 0 ? 1 : 0);
+      const uint32_t off_k = (j % T::kStages) * T::kKStageBytes + (ks >> 2) * T::kKBlockBytes + (ks & 3) * 32;
+      wg::wgmma_m64n32k16_ss(sacc, dq + (off_q >> 4), dk + (off_k >> 4), k > 0 ? 1 : 0);
     }
     wg::commit();
     wg::wait<0>();
@@ -237,8 +251,10 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     l1 = l1 * a1 + sum1;
     m0 = mn0;
     m1 = mn1;
+    if (a0 != 1.f || a1 != 1.f) {  // exact: a row whose max did not move has alpha == 1
 #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
+      for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
+    }
 
     // ---- O += P V over this warpgroup's 256 columns (2 k-steps of 16 keys)
     wg::fence();
@@ -246,8 +262,8 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     for (int kk = 0; kk < T::kBN / 16; ++kk) {
       // A fragment for keys 16 kk ..: slots 8 kk .. 8 kk + 7 of S are exactly the mma A layout
       const uint32_t a[4] = {pa[4 * kk + 0], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      const uint32_t off_v = (4 * wg) * T::kKBlockBytes + kk * 16 * 128;
-      wg::wgmma_m64n256k16_rs_tb(o, a, wg::desc_sw128(kt + off_v, T::kKBlockBytes, 1024));
+      const uint32_t off_v = (j % T::kStages) * T::kKStageBytes + (4 * wg) * T::kKBlockBytes + kk * 16 * 128;
+      wg::wgmma_m64n256k16_rs_tb(o, a, dv + (off_v >> 4));
     }
     wg::commit();
     wg::wait<0>();
