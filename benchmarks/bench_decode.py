@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
 from mla_decode.reference import generate_input, ref_kernel  # noqa: E402
-from common import device_name, geomean, time_events, time_wall  # noqa: E402
+from common import device_name, geomean, time_events, time_graph, time_wall  # noqa: E402
 
 ATOL, RTOL = 8e-3, 2e-2
 
@@ -56,6 +56,11 @@ def run_shape(prefill, bs, device, iters, reduced):
     res["us_harness"] = 1e3 * time_wall(step(dec), iters=iters)
     if device == "cuda":
         res["us_events"] = 1e3 * time_events(step(dec), iters=iters)
+        try:  # device time alone (graph replay): harness minus this is host overhead
+            res["us_graph"] = 1e3 * time_graph(step(dec), iters=iters)
+        except Exception as e:  # noqa: BLE001 - a diagnostic column; say why it is missing
+            res["us_graph"] = float("nan")
+            print(f"  (graph replay failed: {type(e).__name__}: {e})")
         base = mla_decode.MLADecoder(backend="torch")
         res["us_torch_baseline"] = 1e3 * time_wall(step(base), iters=max(5, iters // 4))
     res["seq_len_after"] = kv.seq_len
@@ -94,17 +99,22 @@ def main():
         rows.append(r)
         print(f"  prefill {p}: done ({r['backend']}, correct={r['correct']})", flush=True)
 
-    hdr = f"{'prefill':>7} {'backend':>8} {'check':>5} {'us(harness)':>11} {'us(events)':>10} {'us(torch)':>9} {'floor us':>8} {'%floor':>6} {'GB/s':>6} {'TFLOP/s':>7}"
+    hdr = f"{'prefill':>7} {'backend':>8} {'check':>5} {'us(harness)':>11} {'us(events)':>10} {'us(graph)':>9} {'us(torch)':>9} {'floor us':>8} {'%floor':>6} {'GB/s':>6} {'TFLOP/s':>7}"
     print(hdr)
+    print("(harness: wall clock between synchronizes, the task's method; events: device events around one call;"
+          " graph: CUDA-graph replay of one call = device time without host overhead; torch: the PyTorch absorbed baseline)")
     for r in rows:
         print(f"{r['prefill']:>7} {r['backend']:>8} {('ok' if r['correct'] else 'FAIL'):>5} {r['us_harness']:>11.1f} "
-              f"{r.get('us_events', float('nan')):>10.1f} {r.get('us_torch_baseline', float('nan')):>9.1f} "
+              f"{r.get('us_events', float('nan')):>10.1f} {r.get('us_graph', float('nan')):>9.1f} "
+              f"{r.get('us_torch_baseline', float('nan')):>9.1f} "
               f"{r.get('floor_us', float('nan')):>8.1f} {r.get('pct_floor', float('nan')):>6.1f} "
               f"{r.get('gbs', float('nan')):>6.0f} {r.get('tflops', float('nan')):>7.1f}")
     gm = geomean([r["us_harness"] for r in rows])
     line = f"geomean us (harness method): {gm:.1f}"
     if gpu:
-        line += f" | events {geomean([r['us_events'] for r in rows]):.1f} | torch baseline {geomean([r['us_torch_baseline'] for r in rows]):.1f}"
+        line += (f" | events {geomean([r['us_events'] for r in rows]):.1f}"
+                 f" | graph replay {geomean([r['us_graph'] for r in rows]):.1f}"
+                 f" | torch baseline {geomean([r['us_torch_baseline'] for r in rows]):.1f}")
     if peaks and not reduced:
         line += f" | floor {geomean([r['floor_us'] for r in rows]):.1f} ({peaks[2]} peaks)"
     print(line)

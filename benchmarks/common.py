@@ -48,3 +48,18 @@ def geomean(xs):
     for x in xs:
         p *= x
     return p ** (1.0 / len(xs)) if xs else float("nan")
+
+
+def time_graph(fn, iters=50):
+    """Median milliseconds of a CUDA-graph replay of fn(): the device time of
+    one call with the host's launch overhead taken out (a diagnostic: fn's
+    host-side effects run once, at capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return time_events(g.replay, iters=iters)

@@ -41,7 +41,13 @@ def backend(device=None) -> str:
     if not torch.cuda.is_available():
         return f"torch-fallback (no GPU visible; kernels built for {_C.platform} {_C.archs})"
     name = torch.cuda.get_device_name(device)
-    return f"{_C.platform}-kernels ({_C.archs} build) on {name}"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        variant = _C.attention_info(idx)[7]
+        attn = "hopper wgmma attention" if variant == 4 else f"portable tile-MMA attention (variant {variant})"
+    except RuntimeError as e:  # the kernel cannot run here: say so rather than hide it
+        attn = f"attention kernel unusable: {e}"
+    return f"{_C.platform}-kernels ({_C.archs} build, {attn}) on {name}"
 
 
 def require_kernels(device) -> None:

@@ -24,19 +24,29 @@ constexpr int64_t kD = 576, kDv = 512, kRope = 64;
 struct DeviceAttnInfo {
   AttnKernelInfo kernel{};
   int sm_count = 0;
+  int variant = 0;
 };
 
-// The tile variant of the attention kernel: 0 unless MLA_DECODE_ATTN_VARIANT
-// says otherwise (an experiment switch for the benchmarks; read once).
-int attn_variant() {
-  static const int v = [] {
+#ifndef MLA_BUILD_ARCHS
+#define MLA_BUILD_ARCHS "unknown"
+#endif
+
+// The attention kernel variant for `device`: the Hopper (wgmma) kernel where
+// this build carries sm_90a code and the device is compute capability 9.x,
+// else the portable tile-MMA kernel (variant 0). MLA_DECODE_ATTN_VARIANT
+// (0..3 portable tile variants, 4 Hopper) overrides, for measurements.
+int attn_variant(int device) {
+  static const int forced = [] {
     const char* s = std::getenv("MLA_DECODE_ATTN_VARIANT");
-    const int v = s ? std::atoi(s) : 0;
+    if (s == nullptr || *s == 0) return -1;
+    const int v = std::atoi(s);
     if (v < 0 || v > kAttnVariants)
       fail_value("MLA_DECODE_ATTN_VARIANT must be in [0, " + num(int64_t{kAttnVariants}) + "], got " + std::string(s));
     return v;
   }();
-  return v;
+  if (forced >= 0) return forced;
+  const bool has_sm90a = std::string(MLA_BUILD_ARCHS).find("sm_90a") != std::string::npos;
+  return has_sm90a && at::cuda::getDeviceProperties(device)->major == 9 ? kAttnVariants : 0;
 }
 
 // Kernel facts and the SM/CU count, read once per device from the runtime.
@@ -50,7 +60,8 @@ const DeviceAttnInfo& device_attn_info(int device) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    const int v = attn_variant();
+    const int v = attn_variant(device);
+    info.variant = v;
     check_launch(v == kAttnVariants ? attn_kernel_info_sm90(&info.kernel) : attn_kernel_info_576_512(v, &info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
@@ -195,7 +206,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.rope = static_cast<int>(kRope);
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
-  const int variant = attn_variant();
+  const int variant = info.variant;
   check_launch(variant == kAttnVariants ? launch_attention_sm90(ap, stream)
                                         : launch_attention_576_512(variant, ap, stream),
                "attention launch");
@@ -264,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
 std::vector<int64_t> attention_info(int64_t device) {
   const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device));
   return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
-          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       attn_variant()};
+          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       i.variant};
 }
 
 }  // namespace mla::api
