@@ -53,6 +53,23 @@ MLA_DEVICE uint32_t swz_elem(int r, int col, int block_bytes) {
   return swz(r, col >> 3, block_bytes) + (col & 7) * 2;
 }
 
+// S partial of warpgroup WG: its 18 k-steps with compile-time descriptor
+// offsets (a runtime warpgroup index in the offset arithmetic cost ~30
+// instructions per wgmma, measured in the SASS).
+template <int WG>
+MLA_DEVICE void s_partial(float (&sacc)[16], uint64_t dq, uint64_t dk_stage) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = Sm90Tile;
+#pragma unroll
+  for (int k = 0; k < T::kKSteps / 2; ++k) {
+    const int ks = WG * (T::kKSteps / 2) + k;
+    const uint32_t off_q = (ks >> 2) * T::kQBlockBytes + (ks & 3) * 32;
+    const uint32_t off_k = (ks >> 2) * T::kKBlockBytes + (ks & 3) * 32;
+    wg::wgmma_m64n32k16_ss(sacc, dq + (off_q >> 4), dk_stage + (off_k >> 4), k > 0 ? 1 : 0);
+  }
+#endif
+}
+
 __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = Sm90Tile;
@@ -144,7 +161,7 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
   // bits) moves, which never carries out of its 14-bit field (< 256 KB)
   const uint64_t dq = wg::desc_sw128(q_s, 16, 1024);
   const uint64_t dk = wg::desc_sw128(k_s, 16, 1024);
-  const uint64_t dv = wg::desc_sw128(k_s, T::kKBlockBytes, 1024);
+  const uint64_t dv = wg::desc_sw128(k_s + (4 * wg) * T::kKBlockBytes, T::kKBlockBytes, 1024);
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -180,36 +197,27 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     float sacc[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) sacc[i] = 0.f;
+    const uint32_t stage_off = (j % T::kStages) * T::kKStageBytes;
     wg::fence();
-#pragma unroll
-    for (int k = 0; k < T::kKSteps / 2; ++k) {
-      const int ks = wg * (T::kKSteps / 2) + k;
-      const uint32_t off_q = (ks >> 2) * T::kQBlockBytes + (ks & 3) * 32;
-      const uint32_t off_k = (j % T::kStages) * T::kKStageBytes + (ks >> 2) * T::kKBlockBytes + (ks & 3) * 32;
-      wg::wgmma_m64n32k16_ss(sacc, dq + (off_q >> 4), dk + (off_k >> 4), k > 0 ? 1 : 0);
-    }
+    if (wg == 0)
+      s_partial<0>(sacc, dq, dk + (stage_off >> 4));
+    else
+      s_partial<1>(sacc, dq, dk + (stage_off >> 4));
     wg::commit();
     wg::wait<0>();
     // exchange the partials: slot i of this thread is row (i & 2 ? r1 : r0), col 8 (i / 4) + 2 t4 + (i & 1)
+    // the partner thread (same index in the other warpgroup) holds the same
+    // (row, col) slots: exchange through a [slot][thread] array, conflict-free
     {
-      float* mine = s_s + wg * T::kM * T::kBN;
+      float* mine = s_s + wg * 16 * 128 + (tid % 128);
 #pragma unroll
-      for (int i = 0; i < 16; i += 2) {
-        const int r = (i & 2) ? r1 : r0, c = 8 * (i / 4) + 2 * t4;
-        *reinterpret_cast<float2*>(mine + r * T::kBN + c) = make_float2(sacc[i], sacc[i + 1]);
-      }
+      for (int i = 0; i < 16; ++i) mine[i * 128] = sacc[i];
     }
     sync_threads();
     {
-      const float* other = s_s + (1 - wg) * T::kM * T::kBN;
+      const float* other = s_s + (1 - wg) * 16 * 128 + (tid % 128);
 #pragma unroll
-      for (int i = 0; i < 16; i += 2) {
-        const int r = (i & 2) ? r1 : r0, c = 8 * (i / 4) + 2 * t4;
-        const float2 v = *reinterpret_cast<const float2*>(other + r * T::kBN + c);
-        // the same sum in both warpgroups (a + b == b + a), so both see identical P
-        sacc[i] = wg == 0 ? sacc[i] + v.x : v.x + sacc[i];
-        sacc[i + 1] = wg == 0 ? sacc[i + 1] + v.y : v.y + sacc[i + 1];
-      }
+      for (int i = 0; i < 16; ++i) sacc[i] += other[i * 128];  // a + b == b + a: both see identical P
     }
 
     // ---- online softmax in registers (rows r0: slots i&2==0, r1: i&2)
@@ -262,8 +270,7 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     for (int kk = 0; kk < T::kBN / 16; ++kk) {
       // A fragment for keys 16 kk ..: slots 8 kk .. 8 kk + 7 of S are exactly the mma A layout
       const uint32_t a[4] = {pa[4 * kk + 0], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      const uint32_t off_v = (j % T::kStages) * T::kKStageBytes + (4 * wg) * T::kKBlockBytes + kk * 16 * 128;
-      wg::wgmma_m64n256k16_rs_tb(o, a, dv + (off_v >> 4));
+      wg::wgmma_m64n256k16_rs_tb(o, a, dv + ((stage_off + kk * 16 * 128) >> 4));
     }
     wg::commit();
     wg::wait<0>();
