@@ -3,7 +3,7 @@
 // Same contract, planner, partial layout and combine as attention.cu; only the
 // block's inner loop differs. One block = 64 query rows x one planned part,
 // two warpgroups (256 threads):
-//   S = Q K^T  each warpgroup multiplies half of the 576-wide k-range
+//   S = Q K^T  each warpgroup multiplies half of the 576-wide k-range (alternate k-steps)
 //              (wgmma m64n32k16, Q and K from shared memory, 128B-swizzled);
 //              the two fp32 partials are summed through shared memory;
 //   softmax    redundantly in both warpgroups, in registers (each thread owns
@@ -53,19 +53,19 @@ MLA_DEVICE uint32_t swz_elem(int r, int col, int block_bytes) {
   return swz(r, col >> 3, block_bytes) + (col & 7) * 2;
 }
 
-// S partial of warpgroup WG: its 18 k-steps with compile-time descriptor
-// offsets (a runtime warpgroup index in the offset arithmetic cost ~30
-// instructions per wgmma, measured in the SASS).
-template <int WG>
-MLA_DEVICE void s_partial(float (&sacc)[16], uint64_t dq, uint64_t dk_stage) {
+// S partial of one warpgroup: k-steps 2k + wg (k = 0..17), interleaved so
+// that every descriptor offset is a compile-time constant plus the
+// warpgroup's 32 bytes, folded into the base descriptors once. (A runtime
+// warpgroup index in the offsets cost ~30 instructions per wgmma; a branch
+// per warpgroup made ptxas serialize the wgmmas, C7520.)
+MLA_DEVICE void s_partial(float (&sacc)[16], uint64_t dq_wg, uint64_t dk_wg) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = Sm90Tile;
 #pragma unroll
   for (int k = 0; k < T::kKSteps / 2; ++k) {
-    const int ks = WG * (T::kKSteps / 2) + k;
-    const uint32_t off_q = (ks >> 2) * T::kQBlockBytes + (ks & 3) * 32;
-    const uint32_t off_k = (ks >> 2) * T::kKBlockBytes + (ks & 3) * 32;
-    wg::wgmma_m64n32k16_ss(sacc, dq + (off_q >> 4), dk_stage + (off_k >> 4), k > 0 ? 1 : 0);
+    const uint32_t off_q = (k >> 1) * T::kQBlockBytes + ((2 * k) & 3) * 32;
+    const uint32_t off_k = (k >> 1) * T::kKBlockBytes + ((2 * k) & 3) * 32;
+    wg::wgmma_m64n32k16_ss(sacc, dq_wg + (off_q >> 4), dk_wg + (off_k >> 4), k > 0 ? 1 : 0);
   }
 #endif
 }
@@ -199,10 +199,7 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     for (int i = 0; i < 16; ++i) sacc[i] = 0.f;
     const uint32_t stage_off = (j % T::kStages) * T::kKStageBytes;
     wg::fence();
-    if (wg == 0)
-      s_partial<0>(sacc, dq, dk + (stage_off >> 4));
-    else
-      s_partial<1>(sacc, dq, dk + (stage_off >> 4));
+    s_partial(sacc, dq + 2 * wg, dk + 2 * wg + (stage_off >> 4));  // + 32 bytes for warpgroup 1
     wg::commit();
     wg::wait<0>();
     // exchange the partials: slot i of this thread is row (i & 2 ? r1 : r0), col 8 (i / 4) + 2 t4 + (i & 1)
