@@ -4,7 +4,7 @@
 
 Device events, median of many runs, caches rotated so they do not sit in L2.
 Reports us, TFLOP/s, GB/s and % of the attention floor (max(bytes/BW,
-FLOPs/peak) with SPEC.md's peaks for the device)."""
+FLOPs/peak) with mla_decode.roofline's peaks for the device)."""
 
 import argparse
 import json
@@ -19,7 +19,7 @@ import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
 from common import device_name, time_events  # noqa: E402
 
-FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # SPEC.md, measured on an H200 here
+FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # FlashMLA's kernel, measured on an H200 by this project (README, Contract)
 
 
 def main():
@@ -74,7 +74,7 @@ def main():
         print(f"{r['L']:>6} {str(r['rope']):>5} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['gbs']:>7.0f} "
               f"{r.get('floor_us', float('nan')):>9.1f} {r.get('pct_floor', float('nan')):>7.1f} "
               f"{r.get('vs_flashmla', float('nan')):>9.2f}")
-    print("(xFlashMLA: FlashMLA's H200 time from SPEC.md over ours; >= 0.80 is the target, rope=False is its setting)")
+    print("(xFlashMLA: FlashMLA's H200 time (README, Contract) over ours; >= 0.80 is the target, rope=False is its setting)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, backend=mla_decode.backend(), rows=rows), f, indent=1)

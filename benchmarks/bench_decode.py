@@ -6,7 +6,7 @@ For each shape: one call checked against the literal reference under the
 task's rule, then repeated calls on one cache timed as the task harness
 times them (synchronize, wall clock, call, synchronize; median) and by
 device events; the PyTorch absorbed baseline in the same run; % of the
-device's speed-of-light floor (SPEC.md's peaks, device picked by name).
+device's speed-of-light floor (mla_decode.roofline's peaks, device picked by name).
 Without a GPU it runs a reduced size on the PyTorch fallback and says so.
 """
 

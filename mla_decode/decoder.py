@@ -4,7 +4,7 @@ Backends:
 - "kernels": the compiled attention kernel (split-KV absorbed MQA with
   on-the-fly key RoPE and LSE combine); projections through the vendor BLAS
   via PyTorch for now.
-- "torch": the absorbed form in plain PyTorch (SPEC "Absorbed form"), used
+- "torch": the absorbed form in plain PyTorch (the absorbed form: W_UK folded into the query, W_UV applied after attention), used
   wherever the kernels are not built or not usable (the CPU included).
 The backend of every call is recorded in ``MLADecoder.last_backend``;
 ``mla_decode.backend()`` says which one a device gets and why.

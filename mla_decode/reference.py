@@ -1,4 +1,4 @@
-"""The oracle: the task's decode step, written literally (SPEC section 1).
+"""The oracle: the task's decode step, written literally (README, "What it computes").
 
 Non-absorbed, every intermediate in bf16 exactly where the task has it:
 projections are bf16 matrix products (fp32 accumulation, bf16 result), RoPE
@@ -78,7 +78,7 @@ def generate_input(batch_size=128, prefill=512, dim=7168, q_lora_rank=1536, n_he
                    seed=0, device="cpu", wo_scale="fan_in"):
     """Random inputs as the task draws them: weights ``randn / sqrt(fan_in)``,
     ``x ~ randn``, ``prefill`` cache rows ``randn``, the rest zero.
-    ``wo_scale``: "fan_in" divides wo by sqrt(H*v) (SPEC), "dim" by sqrt(dim)
+    ``wo_scale``: "fan_in" divides wo by sqrt(H*v) (the project's contract), "dim" by sqrt(dim)
     (the task page's generator)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
