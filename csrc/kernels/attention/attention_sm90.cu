@@ -40,7 +40,8 @@ struct Sm90Tile {
   static constexpr int kSmem = 1024 /*alignment slack*/ + kQBytes + kStages * kKStageBytes + kSBytes +
                                kStages * kCsStageBytes;
   static constexpr int kKSteps = kD / 16;               // 36, 18 per warpgroup
-  static_assert(kD % 64 == 0 && kRope == 64 && kBN == 32, "the sm90 tile is written for 576/512/64, 32 keys");
+  static_assert(kD % 64 == 0 && kRope == 64 && kBN == 32 && kThreads == 8 * kBN,
+                "the sm90 tile is written for 576/512/64, 32 keys, 8 loader threads per key row");
 };
 
 // Byte offset of 16-byte chunk `ch` (of the 72 per 576-wide row) of row `r`
@@ -96,51 +97,41 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
   const int row_base = block_x() * T::kM;
   const int ntiles = tile_end - tile_begin;
 
-  // Key tile loads. Thread tid copies chunks c = tid + 256 i of the tile's
-  // 32 x 72 16-byte chunks; (row, chunk) advance incrementally (256 = 3 rows
-  // + 40 chunks) so the loop carries no divisions and 32-bit offsets only.
-  const bf16_t* kv_seq = p.block_table == nullptr ? p.kv + b * p.kv_page_stride : p.kv;
+  // Key tile loads: thread tid owns row tid / 8 of the 32-key tile and the
+  // 16-byte chunks (tid % 8) + 8 i, i = 0..8: per i a warp reads 4 rows x
+  // 128 contiguous bytes, and every offset is a per-thread constant plus a
+  // compile-time one (the first layout spent ~35% of all instructions here).
+  const int lr = tid / 8, lc = tid % 8;                           // row, chunk within a 128 B block
+  const uint32_t lsmem = lr * 128 + ((lc ^ (lr & 7)) << 4);      // swizzled, + i * kKBlockBytes
   auto load_tile = [&](int j) {
-    unsigned char* dst = k_s + (j % T::kStages) * T::kKStageBytes;
-    const int key_base = (tile_begin + j) * T::kBN;
-    int r = tid / 72, ch = tid % 72;
-#pragma unroll
-    for (int i = 0; i < (T::kBN * 72 + T::kThreads - 1) / T::kThreads; ++i) {
-      if (r < T::kBN) {
-        const int t = key_base + r;
-        const bool valid = t < L;
-        const bf16_t* src = p.kv;
-        if (valid) {
-          src = p.block_table == nullptr
-                    ? kv_seq + static_cast<int64_t>(t) * p.kv_row_stride + ch * 8
-                    : p.kv + p.block_table[b * p.block_table_stride + t / p.page_size] * p.kv_page_stride +
-                          (t % p.page_size) * p.kv_row_stride + ch * 8;
-        }
-        copy16_async(dst + swz(r, ch, T::kKBlockBytes), src, valid);
-      }
-      ch += 40;
-      r += 3;
-      if (ch >= 72) {
-        ch -= 72;
-        r += 1;
-      }
+    unsigned char* dst = k_s + (j % T::kStages) * T::kKStageBytes + lsmem;
+    const int t = (tile_begin + j) * T::kBN + lr;
+    const bool valid = t < L;
+    const bf16_t* src = p.kv;
+    if (valid) {
+      src = p.block_table == nullptr
+                ? p.kv + b * p.kv_page_stride + static_cast<int64_t>(t) * p.kv_row_stride
+                : p.kv + static_cast<int64_t>(p.block_table[b * p.block_table_stride + t / p.page_size]) * p.kv_page_stride +
+                      static_cast<int64_t>(t % p.page_size) * p.kv_row_stride;
+      src += lc * 8;
     }
-    if (p.rope_cs != nullptr && tid < T::kBN * (T::kRope / 8)) {  // 256 chunks: one per thread
-      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope;
-      const int rr = tid / (T::kRope / 8), t = key_base + rr;
-      const bool valid = t < L;
-      copy16_async(cdst + tid * 8,
-                   valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + (tid % (T::kRope / 8)) * 8 : p.rope_cs,
-                   valid);
+#pragma unroll
+    for (int i = 0; i < T::kBlocks; ++i) copy16_async(dst + i * T::kKBlockBytes, valid ? src + i * 64 : src, valid);
+    if (p.rope_cs != nullptr) {  // 32 rows x 8 chunks of cos|sin: one per thread, the same row
+      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope + lr * T::kRope + lc * 8;
+      copy16_async(cdst, valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + lc * 8 : p.rope_cs, valid);
     }
   };
 
   // Q (64 rows x 576) once, then the first key tiles
-  for (int c = tid; c < T::kM * (T::kD / 8); c += T::kThreads) {
-    const int r = c / (T::kD / 8), ch = c % (T::kD / 8);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = lr + 32 * h;
     const bool valid = row_base + r < p.rows;
-    const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + ch * 8 : p.q;
-    copy16_async(q_s + swz(r, ch, T::kQBlockBytes), src, valid);
+    const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + lc * 8 : p.q;
+#pragma unroll
+    for (int i = 0; i < T::kBlocks; ++i)
+      copy16_async(q_s + i * T::kQBlockBytes + r * 128 + ((lc ^ (r & 7)) << 4), valid ? src + i * 64 : src, valid);
   }
   copy_commit();
 #pragma unroll
