@@ -44,15 +44,6 @@ struct Sm90Tile {
                 "the sm90 tile is written for 576/512/64, 32 keys, 8 loader threads per key row");
 };
 
-// Byte offset of 16-byte chunk `ch` (of the 72 per 576-wide row) of row `r`
-// in a tile of `rows` rows stored as 64-wide column blocks, 128B-swizzled.
-MLA_DEVICE uint32_t swz(int r, int ch, int block_bytes) {
-  return (ch >> 3) * block_bytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
-}
-// Byte offset of element (r, col) in the same layout.
-MLA_DEVICE uint32_t swz_elem(int r, int col, int block_bytes) {
-  return swz(r, col >> 3, block_bytes) + (col & 7) * 2;
-}
 
 // S partial of one warpgroup: k-steps 2k + wg (k = 0..17), interleaved so
 // that every descriptor offset is a compile-time constant plus the
@@ -167,18 +158,29 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     unsigned char* kt = k_s + (j % T::kStages) * T::kKStageBytes;
     const int key0 = (tile_begin + j) * T::kBN;
     if (p.rope_cs != nullptr) {
-      constexpr int kHalf = T::kRope / 2;
-      const bf16_t* cs = cs_s + (j % T::kStages) * T::kBN * T::kRope;
-      for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
-        const int r = e / kHalf, jj = e % kHalf;
-        if (key0 + r < L) {
-          bf16_t* x1p = reinterpret_cast<bf16_t*>(kt + swz_elem(r, T::kDv + jj, T::kKBlockBytes));
-          bf16_t* x2p = reinterpret_cast<bf16_t*>(kt + swz_elem(r, T::kDv + kHalf + jj, T::kKBlockBytes));
-          const float c = bf16_to_float(cs[r * T::kRope + jj]), s = bf16_to_float(cs[r * T::kRope + kHalf + jj]);
-          const float x1 = bf16_to_float(*x1p), x2 = bf16_to_float(*x2p);
-          *x1p = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
-          *x2p = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+      // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to
+      // bf16. Thread (lr, lc < 4) rotates the 8 pairs (j, j + 32) of chunks lc
+      // and lc + 4 of its row: four 16-byte loads, two 16-byte stores.
+      if (lc < 4 && key0 + lr < L) {
+        unsigned char* blk = kt + (T::kBlocks - 1) * T::kKBlockBytes + lr * 128;
+        uint4* p1 = reinterpret_cast<uint4*>(blk + ((lc ^ (lr & 7)) << 4));
+        uint4* p2 = reinterpret_cast<uint4*>(blk + (((lc + 4) ^ (lr & 7)) << 4));
+        const uint4* csr = reinterpret_cast<const uint4*>(cs_s + ((j % T::kStages) * T::kBN + lr) * T::kRope);
+        uint4 x1 = *p1, x2 = *p2;
+        const uint4 c = csr[lc], sn = csr[lc + 4];
+        uint32_t* a1 = reinterpret_cast<uint32_t*>(&x1);
+        uint32_t* a2 = reinterpret_cast<uint32_t*>(&x2);
+        const uint32_t* cc = reinterpret_cast<const uint32_t*>(&c);
+        const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sn);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float u1l = bf16_lo(a1[w]), u1h = bf16_hi(a1[w]), u2l = bf16_lo(a2[w]), u2h = bf16_hi(a2[w]);
+          const float cl = bf16_lo(cc[w]), ch = bf16_hi(cc[w]), sl = bf16_lo(ss[w]), sh = bf16_hi(ss[w]);
+          a1[w] = pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh));
+          a2[w] = pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
         }
+        *p1 = x1;
+        *p2 = x2;
       }
       wg::fence_proxy_async();
       sync_threads();
