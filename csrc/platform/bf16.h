@@ -29,8 +29,17 @@ MLA_HOST_DEVICE bf16_t float_to_bf16(float f) {
 }
 
 // Round a float to the nearest bf16 value and back (the semantics of one
-// bf16 operation in PyTorch: compute in fp32, round the result).
-MLA_HOST_DEVICE float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+// bf16 operation in PyTorch: compute in fp32, round the result). One
+// instruction on NVIDIA devices; the bit-exact software rounding elsewhere.
+MLA_HOST_DEVICE float round_bf16(float f) {
+#if MLA_NVIDIA && defined(__CUDA_ARCH__)
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16);
+#else
+  return bf16_to_float(float_to_bf16(f));
+#endif
+}
 
 // Two floats into one 32-bit word of two bf16 (lo in the low half).
 MLA_DEVICE uint32_t pack_bf16x2(float lo, float hi) {

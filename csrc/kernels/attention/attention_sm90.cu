@@ -131,6 +131,37 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
     copy_commit();
   }
 
+  // Key RoPE in shared memory, one tile ahead: tile jj is rotated while tile
+  // jj - 1 is being multiplied, so no barrier of its own is needed (the next
+  // iteration's barrier publishes it).
+  auto rotate_tile = [&](int jj) {
+      // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to
+      // bf16. Thread (lr, lc) rotates 4 of the 32 pairs (j, j + 32) of its row:
+      // words 2 (lc >> 2) .. + 1 of chunks (lc & 3) and (lc & 3) + 4.
+      if ((tile_begin + jj) * T::kBN + lr < L) {
+        const int c1 = lc & 3, w0 = 2 * (lc >> 2);
+        unsigned char* blk = k_s + (jj % T::kStages) * T::kKStageBytes + (T::kBlocks - 1) * T::kKBlockBytes + lr * 128;
+        uint2* p1 = reinterpret_cast<uint2*>(blk + ((c1 ^ (lr & 7)) << 4) + 4 * w0);
+        uint2* p2 = reinterpret_cast<uint2*>(blk + (((c1 + 4) ^ (lr & 7)) << 4) + 4 * w0);
+        const uint32_t* csr = reinterpret_cast<const uint32_t*>(cs_s + ((jj % T::kStages) * T::kBN + lr) * T::kRope);
+        const uint2 cw = *reinterpret_cast<const uint2*>(csr + 4 * c1 + w0);
+        const uint2 sw = *reinterpret_cast<const uint2*>(csr + 16 + 4 * c1 + w0);
+        uint2 x1 = *p1, x2 = *p2;
+        uint32_t* a1 = reinterpret_cast<uint32_t*>(&x1);
+        uint32_t* a2 = reinterpret_cast<uint32_t*>(&x2);
+        const uint32_t cc[2] = {cw.x, cw.y}, ss[2] = {sw.x, sw.y};
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+          const float u1l = bf16_lo(a1[w]), u1h = bf16_hi(a1[w]), u2l = bf16_lo(a2[w]), u2h = bf16_hi(a2[w]);
+          const float cl = bf16_lo(cc[w]), ch = bf16_hi(cc[w]), sl = bf16_lo(ss[w]), sh = bf16_hi(ss[w]);
+          a1[w] = pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh));
+          a2[w] = pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
+        }
+        *p1 = x1;
+        *p2 = x2;
+      }
+  };
+
   // this thread's rows (within the block) and their causal limits
   const int r0 = warp * 16 + g, r1 = r0 + 8;
   int lim0 = L, lim1 = L;
@@ -148,44 +179,24 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
 
+  const bool rope = p.rope_cs != nullptr;
+  if (rope && ntiles > 0) {
+    copy_wait<0>();
+    sync_threads();
+    rotate_tile(0);
+  }
   for (int j = 0; j < ntiles; ++j) {
-    copy_wait<T::kStages - 2>();
+    if (rope)
+      copy_wait<0>();  // tile j + 1 too: it is rotated during this tile
+    else
+      copy_wait<T::kStages - 2>();
     wg::fence_proxy_async();
-    sync_threads();  // tile j (and Q) landed for everyone; tile j-1's buffer is free
+    sync_threads();  // tile j (and Q) landed and rotated for everyone; tile j-1's buffer is free
     if (j + T::kStages - 1 < ntiles) load_tile(j + T::kStages - 1);
     copy_commit();
+    if (rope && j + 1 < ntiles) rotate_tile(j + 1);
 
-    unsigned char* kt = k_s + (j % T::kStages) * T::kKStageBytes;
     const int key0 = (tile_begin + j) * T::kBN;
-    if (p.rope_cs != nullptr) {
-      // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to
-      // bf16. Thread (lr, lc < 4) rotates the 8 pairs (j, j + 32) of chunks lc
-      // and lc + 4 of its row: four 16-byte loads, two 16-byte stores.
-      if (lc < 4 && key0 + lr < L) {
-        unsigned char* blk = kt + (T::kBlocks - 1) * T::kKBlockBytes + lr * 128;
-        uint4* p1 = reinterpret_cast<uint4*>(blk + ((lc ^ (lr & 7)) << 4));
-        uint4* p2 = reinterpret_cast<uint4*>(blk + (((lc + 4) ^ (lr & 7)) << 4));
-        const uint4* csr = reinterpret_cast<const uint4*>(cs_s + ((j % T::kStages) * T::kBN + lr) * T::kRope);
-        uint4 x1 = *p1, x2 = *p2;
-        const uint4 c = csr[lc], sn = csr[lc + 4];
-        uint32_t* a1 = reinterpret_cast<uint32_t*>(&x1);
-        uint32_t* a2 = reinterpret_cast<uint32_t*>(&x2);
-        const uint32_t* cc = reinterpret_cast<const uint32_t*>(&c);
-        const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sn);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float u1l = bf16_lo(a1[w]), u1h = bf16_hi(a1[w]), u2l = bf16_lo(a2[w]), u2h = bf16_hi(a2[w]);
-          const float cl = bf16_lo(cc[w]), ch = bf16_hi(cc[w]), sl = bf16_lo(ss[w]), sh = bf16_hi(ss[w]);
-          a1[w] = pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh));
-          a2[w] = pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
-        }
-        *p1 = x1;
-        *p2 = x2;
-      }
-      wg::fence_proxy_async();
-      sync_threads();
-    }
-
     // ---- S partial over this warpgroup's 18 k-steps
     float sacc[16];
 #pragma unroll
