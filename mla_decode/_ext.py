@@ -43,8 +43,8 @@ def backend(device=None) -> str:
     name = torch.cuda.get_device_name(device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        variant = _C.attention_info(idx)[7]
-        attn = "hopper wgmma attention" if variant == 4 else f"portable tile-MMA attention (variant {variant})"
+        kind = _C.attention_info(idx)[7]
+        attn = "hopper wgmma attention" if kind == 1 else "portable tile-MMA attention"
     except RuntimeError as e:  # the kernel cannot run here: say so rather than hide it
         attn = f"attention kernel unusable: {e}"
     return f"{_C.platform}-kernels ({_C.archs} build, {attn}) on {name}"

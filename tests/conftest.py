@@ -9,7 +9,7 @@ from mla_decode.reference import generate_input
 # the task's acceptance rule (README, Contract): |out - ref| <= ATOL + RTOL * |ref|, NaN/inf positions identical
 ATOL, RTOL = 8e-3, 2e-2
 
-GPU_REASON = f"needs a GPU with the compiled kernels: {mla_decode.backend()}"
+GPU_REASON = f"needs a GPU with the compiled kernels: {mla_decode.backend('cuda')}"
 needs_gpu = pytest.mark.skipif(not mla_decode.kernels_usable("cuda"), reason=GPU_REASON)
 
 SMALL = dict(dim=96, q_lora_rank=48, n_heads=4, kv_lora_rank=32, nope=16, rope=8, v=24, max_seq_len=64)

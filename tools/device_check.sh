@@ -9,15 +9,15 @@ export MAX_JOBS=16 PYTHONUNBUFFERED=1
 t0=$(date +%s)
 bash run.sh test -x ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -25
 echo "build+tests: $(( $(date +%s) - t0 )) s"
-echo "== attention tests again on the portable kernel (variant 0)"
-PYTHONSAFEPATH=1 MLA_DECODE_ATTN_VARIANT=0 python3 -m pytest -q -x tests/test_gpu_attention.py 2>&1 | tail -2
+echo "== attention tests again on the portable kernel"
+PYTHONSAFEPATH=1 MLA_DECODE_ATTN_KERNEL=portable python3 -m pytest -q -x tests/test_gpu_attention.py 2>&1 | tail -2
 so=$(PYTHONSAFEPATH=1 python3 -c "import mla_decode._C as c; print(c.__file__)")
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
 echo "SASS: HMMA $(grep -c HMMA "$OUT/sass.txt") HGMMA $(grep -c HGMMA "$OUT/sass.txt") LDL/STL $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
 export PYTHONSAFEPATH=1
 cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -A1 -E "attention_kernel|attention_sm90_kernel" | grep -oE "REG:[0-9]+|STACK:[0-9]+|SHARED:[0-9]+|LOCAL:[0-9]+" | paste -sd' ' | tee "$OUT/resources.txt"
-for v in ${VARIANTS:-4 0}; do
-  echo "== attention variant $v"
-  MLA_DECODE_ATTN_VARIANT=$v python3 benchmarks/bench_attention.py --json "$OUT/attn$v.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn$v.txt"
+for k in ${KERNELS:-hopper portable}; do
+  echo "== attention kernel $k"
+  MLA_DECODE_ATTN_KERNEL=$k python3 benchmarks/bench_attention.py --json "$OUT/attn_$k.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn_$k.txt"
 done
 [ "${1:-}" = quick ] || python3 benchmarks/bench_decode.py --json "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 | tee "$OUT/decode.txt"

@@ -1,6 +1,6 @@
 """A few attention calls at bs=128, H=128 for a profiler (ncu) to pick from.
 
-    MLA_DECODE_ATTN_VARIANT=4 ncu --clock-control none -k regex:attention --launch-skip 2 --launch-count 1 \
+    ncu --clock-control none -k regex:attention --launch-skip 2 --launch-count 1 \
         python3 tools/profile_attention.py 4097
 """
 import sys

@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("archs") = MLA_BUILD_ARCHS;
   m.def("attention_info", &mla::api::attention_info, py::arg("device"),
-        "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, variant]");
+        "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, 1 hopper)]");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"));
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));

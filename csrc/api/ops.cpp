@@ -21,32 +21,34 @@ namespace {
 
 constexpr int64_t kD = 576, kDv = 512, kRope = 64;
 
+enum class AttnKernel { kPortable = 0, kHopper = 1 };
+
 struct DeviceAttnInfo {
   AttnKernelInfo kernel{};
   int sm_count = 0;
-  int variant = 0;
+  AttnKernel kind = AttnKernel::kPortable;
 };
 
 #ifndef MLA_BUILD_ARCHS
 #define MLA_BUILD_ARCHS "unknown"
 #endif
 
-// The attention kernel variant for `device`: the Hopper (wgmma) kernel where
-// this build carries sm_90a code and the device is compute capability 9.x,
-// else the portable tile-MMA kernel (variant 0). MLA_DECODE_ATTN_VARIANT
-// (0..3 portable tile variants, 4 Hopper) overrides, for measurements.
-int attn_variant(int device) {
+// The attention kernel for `device`: the Hopper (wgmma) kernel where this
+// build carries sm_90a code and the device is compute capability 9.x, else
+// the portable tile-MMA kernel. MLA_DECODE_ATTN_KERNEL=portable|hopper
+// overrides (for measurements and tests; read once).
+AttnKernel attn_kernel_for(int device) {
   static const int forced = [] {
-    const char* s = std::getenv("MLA_DECODE_ATTN_VARIANT");
+    const char* s = std::getenv("MLA_DECODE_ATTN_KERNEL");
     if (s == nullptr || *s == 0) return -1;
-    const int v = std::atoi(s);
-    if (v < 0 || v > kAttnVariants)
-      fail_value("MLA_DECODE_ATTN_VARIANT must be in [0, " + num(int64_t{kAttnVariants}) + "], got " + std::string(s));
-    return v;
+    const std::string v(s);
+    if (v == "portable") return 0;
+    if (v == "hopper") return 1;
+    fail_value("MLA_DECODE_ATTN_KERNEL must be 'portable' or 'hopper', got '" + v + "'");
   }();
-  if (forced >= 0) return forced;
+  if (forced >= 0) return static_cast<AttnKernel>(forced);
   const bool has_sm90a = std::string(MLA_BUILD_ARCHS).find("sm_90a") != std::string::npos;
-  return has_sm90a && at::cuda::getDeviceProperties(device)->major == 9 ? kAttnVariants : 0;
+  return has_sm90a && at::cuda::getDeviceProperties(device)->major == 9 ? AttnKernel::kHopper : AttnKernel::kPortable;
 }
 
 // Kernel facts and the SM/CU count, read once per device from the runtime.
@@ -60,9 +62,9 @@ const DeviceAttnInfo& device_attn_info(int device) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    const int v = attn_variant(device);
-    info.variant = v;
-    check_launch(v == kAttnVariants ? attn_kernel_info_sm90(&info.kernel) : attn_kernel_info_576_512(v, &info.kernel),
+    info.kind = attn_kernel_for(device);
+    check_launch(info.kind == AttnKernel::kHopper ? attn_kernel_info_sm90(&info.kernel)
+                                                  : attn_kernel_info_576_512(&info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
       fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +
@@ -206,9 +208,8 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.rope = static_cast<int>(kRope);
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
-  const int variant = info.variant;
-  check_launch(variant == kAttnVariants ? launch_attention_sm90(ap, stream)
-                                        : launch_attention_576_512(variant, ap, stream),
+  check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
+                                                : launch_attention_576_512(ap, stream),
                "attention launch");
 
   CombineParams cp{};
@@ -275,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
 std::vector<int64_t> attention_info(int64_t device) {
   const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device));
   return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
-          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       i.variant};
+          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       static_cast<int64_t>(i.kind)};
 }
 
 }  // namespace mla::api

@@ -20,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
 
 // [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
-//  blocks per SM, SM/CU count, tile variant] of the attention kernel on `device`.
+//  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`.
 std::vector<int64_t> attention_info(int64_t device);
 
 }  // namespace mla::api

@@ -16,6 +16,7 @@
 #include "../../platform/mma.h"
 #include "../../platform/vendor.h"
 #include "attention.h"
+#include "part.h"
 
 namespace mla {
 namespace {
@@ -51,24 +52,17 @@ struct AttnTile {
   static_assert(kStages >= 2, "need at least double buffering");
 };
 
-// The tile variants, per vendor; variant 0 is the default.
+// The tile configuration per vendor.
 #if MLA_AMD
 // MI300X: 64 KB LDS per CU, wave64. Q and O live in VGPRs/AGPRs (72 + 128
-// per lane), the LDS holds a 2 x 16-key ring (37 KB).
-using Tile576V0 = AttnTile<576, 512, 4, 1, 16, 2>;
-using Tile576V1 = Tile576V0;
-using Tile576V2 = Tile576V0;
-using Tile576V3 = Tile576V0;
+// per lane), the LDS holds a 2 x 16-key ring (49 KB with the RoPE rows).
+using Tile576 = AttnTile<576, 512, 4, 1, 16, 2>;
 #else
-// H100/H200, one block per SM by registers:
-// V0: 8 warps, Q slice 72 + O 128 registers per thread, 3 x 32-key ring
-// V1: the same with a 2-deep ring
-// V2: 16 warps (Q 36 + O 64 registers), 4 x 16-key ring
-// V3: 16 warps, 3 x 32-key ring
-using Tile576V0 = AttnTile<576, 512, 4, 2, 32, 3>;
-using Tile576V1 = AttnTile<576, 512, 4, 2, 32, 2>;
-using Tile576V2 = AttnTile<576, 512, 4, 4, 16, 4>;
-using Tile576V3 = AttnTile<576, 512, 4, 4, 32, 3>;
+// H100/H200 (when the Hopper kernel is not used): 8 warps, Q slice 72 + O 128
+// registers per thread, one block per SM by registers, a 3 x 32-key ring.
+// Measured on the H200 against it: a 2-deep ring (-10%), 16 warps with
+// 128-register caps (spills; -25% and -40%).
+using Tile576 = AttnTile<576, 512, 4, 2, 32, 3>;
 #endif
 
 template <typename T>
@@ -87,13 +81,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
   float* row_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes);
   bf16_t* cs_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes);
 
-  const int part = block_y();
-  if (part >= p.plan[0]) return;
-  const int32_t* pi = p.plan + plan_part_base(p.bs) + 4 * part;
-  const int b = pi[0], tile_begin = pi[1], tile_end = pi[2], split = pi[3];
-  const int nsplit = p.plan[kPlanSeqBase + 2 * b];
-  const int first_part = p.plan[kPlanSeqBase + 2 * b + 1];
-  const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
+  Part pt;
+  if (!read_part(p, block_y(), pt)) return;
+  const int b = pt.b, tile_begin = pt.tile_begin, tile_end = pt.tile_end, split = pt.split;
+  const int nsplit = pt.nsplit, first_part = pt.first_part, L = pt.L;
 
   const int tid = thread_x();
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
@@ -422,15 +413,7 @@ const char* kernel_info(AttnKernelInfo* info) {
   return nullptr;
 }
 
-const char* attn_kernel_info_576_512(int variant, AttnKernelInfo* info) {
-  switch (variant) {
-    case 0: return kernel_info<Tile576V0>(info);
-    case 1: return kernel_info<Tile576V1>(info);
-    case 2: return kernel_info<Tile576V2>(info);
-    case 3: return kernel_info<Tile576V3>(info);
-    default: return "attention: unknown kernel variant (valid: 0..3)";
-  }
-}
+const char* attn_kernel_info_576_512(AttnKernelInfo* info) { return kernel_info<Tile576>(info); }
 
 const char* launch_plan(const PlanParams& p, stream_t stream) {
   if (p.bs <= 0 || p.target_parts <= 0 || p.tile <= 0) return "launch_plan: bad parameters";
@@ -439,7 +422,7 @@ const char* launch_plan(const PlanParams& p, stream_t stream) {
 }
 
 template <typename T>
-const char* launch_variant(const AttnParams& p, stream_t stream) {
+const char* launch_tile(const AttnParams& p, stream_t stream) {
   if (p.rope != T::kRope) return "launch_attention: rope width must be 64 for D=576, Dv=512";
   const int head_blocks = (p.rows + T::kM - 1) / T::kM;
   dim3 grid(head_blocks, p.max_parts);
@@ -447,15 +430,7 @@ const char* launch_variant(const AttnParams& p, stream_t stream) {
   return last_launch_error();
 }
 
-const char* launch_attention_576_512(int variant, const AttnParams& p, stream_t stream) {
-  switch (variant) {
-    case 0: return launch_variant<Tile576V0>(p, stream);
-    case 1: return launch_variant<Tile576V1>(p, stream);
-    case 2: return launch_variant<Tile576V2>(p, stream);
-    case 3: return launch_variant<Tile576V3>(p, stream);
-    default: return "attention: unknown kernel variant (valid: 0..3)";
-  }
-}
+const char* launch_attention_576_512(const AttnParams& p, stream_t stream) { return launch_tile<Tile576>(p, stream); }
 
 const char* launch_combine(const CombineParams& p, stream_t stream) {
   dim3 grid(p.bs, (p.rows + kCombineWarps - 1) / kCombineWarps);

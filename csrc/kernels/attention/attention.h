@@ -18,12 +18,11 @@ struct AttnKernelInfo {
   int blocks_per_sm;    // resident blocks per SM/CU (occupancy calculator)
 };
 
+// The portable kernel (tile-MMA interface; the one AMD builds use),
 // D = 576 (512 latent + 64 rope), Dv = 512: the DeepSeek-V3 shapes.
-// `variant` picks a tile configuration (0 = default; see attention.cu).
-constexpr int kAttnVariants = 4;  // + variant 4: the Hopper kernel (host side)
-const char* attn_kernel_info_576_512(int variant, AttnKernelInfo* info);
+const char* attn_kernel_info_576_512(AttnKernelInfo* info);
 const char* launch_plan(const PlanParams& p, stream_t stream);
-const char* launch_attention_576_512(int variant, const AttnParams& p, stream_t stream);
+const char* launch_attention_576_512(const AttnParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 
 // Hopper variant (attention_sm90.cu, wgmma; NVIDIA sm_90a builds only):

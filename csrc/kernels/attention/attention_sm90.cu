@@ -18,6 +18,7 @@
 #include "../../platform/vendor.h"
 #include "../../platform/wgmma_sm90.h"
 #include "attention.h"
+#include "part.h"
 
 namespace mla {
 
@@ -73,13 +74,10 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
   float* s_s = reinterpret_cast<float*>(k_s + T::kStages * T::kKStageBytes);
   bf16_t* cs_s = reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(s_s) + T::kSBytes);
 
-  const int part = block_y();
-  if (part >= p.plan[0]) return;
-  const int32_t* pi = p.plan + plan_part_base(p.bs) + 4 * part;
-  const int b = pi[0], tile_begin = pi[1], tile_end = pi[2], split = pi[3];
-  const int nsplit = p.plan[kPlanSeqBase + 2 * b];
-  const int first_part = p.plan[kPlanSeqBase + 2 * b + 1];
-  const int L = min(max(p.seqlens[b], 0), p.max_len);
+  Part pt;
+  if (!read_part(p, block_y(), pt)) return;
+  const int b = pt.b, tile_begin = pt.tile_begin, tile_end = pt.tile_end, split = pt.split;
+  const int nsplit = pt.nsplit, first_part = pt.first_part, L = pt.L;
 
   const int tid = thread_x();
   const int wg = tid / 128;                 // warpgroup
