@@ -170,12 +170,18 @@ class MLADecoder:
                 self._weights = ws
             return ws
 
-    def _rope_table(self, device, rope, positions):
+    def _rope_tables(self, device, rope, positions):
+        """(table [n, rope] = cos | sin of the rope/2 frequencies, as the kernels
+        take it; cos2, sin2 [n, rope] laid out [a, a], as rope_rotate takes them)."""
         key = (device, rope, positions)
         with self._lock:
             t = self._rope.get(key)
             if t is None:
-                t = rope_table(positions, rope, device)
+                table = rope_table(positions, rope, device)
+                half = rope // 2
+                cos2 = torch.cat([table[:, :half], table[:, :half]], dim=-1)
+                sin2 = torch.cat([table[:, half:], table[:, half:]], dim=-1)
+                t = (table, cos2, sin2)
                 self._rope[key] = t
             return t
 
@@ -200,7 +206,7 @@ class MLADecoder:
         dims = validate(config, x, kv_cache)
         ws = self._weight_set(config, dims)
         which = self._choose(dims, x.device)
-        table = self._rope_table(x.device, dims.rope, dims.max_seq_len)
+        table, cos2, sin2 = self._rope_tables(x.device, dims.rope, dims.max_seq_len)
         bs, H = dims.bs, dims.heads
         data = kv_cache.data
         pos = kv_cache.seq_len  # the new row's position; L = pos + 1 after the append
@@ -216,24 +222,18 @@ class MLADecoder:
         # 3-4. query, its RoPE at L-1, W_UK absorption
         q = (q_lora @ config.Q_proj_up_weight.T).view(bs, H, dims.nope + dims.rope)
         q_nope, q_pe = torch.split(q, [dims.nope, dims.rope], dim=-1)
-        half = dims.rope // 2
-        cs = table[pos:pos + 1]
-        cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)
-        sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1)
-        q_pe = rope_rotate(q_pe, cos, sin)                                  # [bs, H, rope]
+        q_pe = rope_rotate(q_pe, cos2[pos], sin2[pos])                     # [bs, H, rope]
         q_abs = torch.bmm(q_nope.transpose(0, 1), ws.w_uk)                  # [H, bs, kv_lora]
         scale = 1.0 / math.sqrt(dims.nope + dims.rope)
 
         # 5. attention over the latent cache
         if which == "kernels":
-            q_att = torch.empty(bs, 1, H, dims.kv_lora + dims.rope, dtype=x.dtype, device=x.device)
-            q_att[:, 0, :, :dims.kv_lora] = q_abs.transpose(0, 1)
-            q_att[:, 0, :, dims.kv_lora:] = q_pe
+            q_att = torch.cat([q_abs.transpose(0, 1), q_pe], dim=-1).unsqueeze(1)  # [bs, 1, H, 576]
             seqlens = torch.full((bs,), L, dtype=torch.int32, device=x.device)
             o_lat, _ = mla_attention(q_att, data, seqlens, scale, rope_cs=table)
             o_lat = o_lat.view(bs, H, dims.kv_lora)
         else:
-            o_lat = _attention_torch(q_abs.transpose(0, 1), q_pe, data[:, :L], table[:L], dims, scale)
+            o_lat = _attention_torch(q_abs.transpose(0, 1), q_pe, data[:, :L], cos2[:L], sin2[:L], dims, scale)
 
         # 6. W_UV per head, then wo
         o = torch.bmm(o_lat.transpose(0, 1), ws.w_uv_t)                     # [H, bs, v]
@@ -246,13 +246,11 @@ class MLADecoder:
         return self(config, x, kv_cache)
 
 
-def _attention_torch(q_abs, q_pe, rows, table, dims: Dims, scale):
+def _attention_torch(q_abs, q_pe, rows, cos, sin, dims: Dims, scale):
     """Absorbed attention in PyTorch: q_abs [bs, H, r], q_pe [bs, H, rope]
-    (rotated), rows [bs, L, r + rope] un-rotated. Returns [bs, H, r] bf16."""
-    half = dims.rope // 2
+    (rotated), rows [bs, L, r + rope] un-rotated, cos/sin [L, rope] ([a, a]).
+    Returns [bs, H, r] bf16."""
     c = rows[..., :dims.kv_lora]
-    cos = torch.cat([table[:, :half], table[:, :half]], dim=-1)
-    sin = torch.cat([table[:, half:], table[:, half:]], dim=-1)
     k_pe = rope_rotate(rows[..., dims.kv_lora:], cos, sin)                  # [bs, L, rope]
     scores = torch.bmm(q_abs, c.transpose(1, 2)).float() + torch.bmm(q_pe, k_pe.transpose(1, 2)).float()
     p = torch.softmax(scores * scale, dim=-1).to(torch.bfloat16)
