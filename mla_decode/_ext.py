@@ -32,7 +32,7 @@ def backend(device=None) -> str:
     """Which implementation serves calls on ``device`` (default: the current
     GPU if there is one, else the CPU), and why."""
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda"  # the GPU if there is one; otherwise the text says why not
     device = torch.device(device)
     if _C is None:
         return f"torch-fallback (extension not built or not importable: {_IMPORT_ERROR})"
