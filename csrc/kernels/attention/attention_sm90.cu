@@ -12,7 +12,7 @@
 //              (wgmma m64n256k16, P from registers, V = the same key tile read
 //              MN-major through a transposed descriptor: no second copy).
 // Keys stream through a 3-deep cp.async ring; RoPE of the keys is applied in
-// shared memory as in attention.cu.
+// shared memory one tile ahead of its use (no barrier of its own).
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
 #include "../../platform/vendor.h"
