@@ -132,3 +132,37 @@ def test_combine_all_empty_gives_zero_not_nan():
     lse_part = torch.full((1, 2, 1, 8), float("-inf"), device="cuda")
     out, lse = mla_combine(o_part, lse_part)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_attention_under_torch_compile():
+    q, kv, seqlens = make_case([300, 77], seed=21)
+
+    @torch.compile(fullgraph=True)
+    def f(q, kv, seqlens):
+        out, lse = torch.ops.mla_decode.attention(q, kv, seqlens, None, None, 0.1, False)
+        return out.float() * 2, lse
+
+    out2, lse = f(q, kv, seqlens)
+    ro, rl = attention_reference(q, kv, seqlens, 0.1)
+    check((out2 / 2).to(torch.bfloat16), lse, ro, rl, "torch.compile")
+
+
+def test_attention_graph_capture_replays_new_lengths():
+    q, kv, seqlens = make_case([500, 40], max_seq=600, seed=22)
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.1, out=out, lse=lse)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_attention(q, kv, seqlens, 0.1, out=out, lse=lse)
+    g_rand = torch.Generator(device="cuda").manual_seed(23)
+    for lens in ([500, 40], [37, 599], [1, 2]):
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        kv.copy_(torch.randn(kv.shape, device="cuda", generator=g_rand).to(torch.bfloat16))  # in place: same address
+        for b, L in enumerate(lens):
+            kv[b, L:] = float("nan")
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = attention_reference(q, kv, seqlens, 0.1)
+        check(out, lse, ro, rl, f"graph replay with lengths {lens}")
