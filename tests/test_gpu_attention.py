@@ -89,6 +89,42 @@ def test_attention_heads_and_causal(h_q, s_q):
     check(out, lse, ro, rl, f"h_q={h_q} s_q={s_q} causal")
 
 
+def make_paged(lens, block_size, h_q=128, s_q=1, seed=0, dtype=torch.bfloat16):
+    """Pages [num_blocks, block_size, 576] in a random order; NaN in every
+    unused page, every row past a sequence's length, and an invalid id
+    (2**30) in every unused block-table slot."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bs = len(lens)
+    max_blocks = max(1, max((L + block_size - 1) // block_size for L in lens))
+    used = [(L + block_size - 1) // block_size for L in lens]
+    num_blocks = sum(used) + 5
+    pages = torch.full((num_blocks, block_size, D), float("nan"), device="cuda", dtype=dtype)
+    ids = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    table = torch.full((bs, max_blocks), 2 ** 30, dtype=torch.int32, device="cuda")
+    nxt = 0
+    for b, L in enumerate(lens):
+        for j in range(used[b]):
+            pid = ids[nxt].item()
+            nxt += 1
+            table[b, j] = pid
+            n = min(block_size, L - j * block_size)
+            pages[pid, :n] = torch.randn(n, D, device="cuda", generator=g).to(dtype)
+    q = torch.randn(bs, s_q, h_q, D, device="cuda", generator=g).to(dtype)
+    return q, pages, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64, 128])
+@pytest.mark.parametrize("rope", [False, True])
+def test_attention_paged(block_size, rope):
+    lens = [1, 700, 129, 64, 0, 1000, 65]
+    q, pages, table, seqlens = make_paged(lens, block_size, seed=block_size)
+    cs = rope_table(table.shape[1] * block_size, device="cuda") if rope else None
+    out, lse = poisoned_out(q)
+    mla_attention(q, pages, seqlens, 0.07, block_table=table, rope_cs=cs, out=out, lse=lse)
+    ro, rl = attention_reference(q, pages, seqlens, 0.07, block_table=table, rope_cs=cs)
+    check(out, lse, ro, rl, f"paged block_size={block_size} rope={rope}")
+
+
 def test_attention_returns_new_tensors():
     q, kv, seqlens = make_case([100, 33], seed=9)
     out, lse = mla_attention(q, kv, seqlens, 0.1)

@@ -29,5 +29,8 @@ const char* launch_combine(const CombineParams& p, stream_t stream);
 // same contract and planner as the portable kernel.
 const char* attn_kernel_info_sm90(AttnKernelInfo* info);
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
+// Hopper variant with the warpgroups on alternate 64-key halves (attention_sm90_pair.cu).
+const char* attn_kernel_info_sm90_pair(AttnKernelInfo* info);
+const char* launch_attention_sm90_pair(const AttnParams& p, stream_t stream);
 
 }  // namespace mla
