@@ -44,8 +44,7 @@ def backend(device=None) -> str:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     try:
         kind = _C.attention_info(idx)[7]
-        attn = {1: "hopper wgmma attention", 2: "hopper wgmma attention (warpgroup pairs)"}.get(
-            kind, "portable tile-MMA attention")
+        attn = "hopper wgmma attention" if kind == 1 else "portable tile-MMA attention"
     except RuntimeError as e:  # the kernel cannot run here: say so rather than hide it
         attn = f"attention kernel unusable: {e}"
     return f"{_C.platform}-kernels ({_C.archs} build, {attn}) on {name}"

@@ -21,7 +21,7 @@ namespace {
 
 constexpr int64_t kD = 576, kDv = 512, kRope = 64;
 
-enum class AttnKernel { kPortable = 0, kHopper = 1, kHopperPair = 2 };
+enum class AttnKernel { kPortable = 0, kHopper = 1 };
 
 struct DeviceAttnInfo {
   AttnKernelInfo kernel{};
@@ -44,8 +44,7 @@ AttnKernel attn_kernel_for(int device) {
     const std::string v(s);
     if (v == "portable") return 0;
     if (v == "hopper") return 1;
-    if (v == "hopper-pair") return 2;
-    fail_value("MLA_DECODE_ATTN_KERNEL must be 'portable', 'hopper' or 'hopper-pair', got '" + v + "'");
+    fail_value("MLA_DECODE_ATTN_KERNEL must be 'portable' or 'hopper', got '" + v + "'");
   }();
   if (forced >= 0) return static_cast<AttnKernel>(forced);
   const bool has_sm90a = std::string(MLA_BUILD_ARCHS).find("sm_90a") != std::string::npos;
@@ -64,9 +63,8 @@ const DeviceAttnInfo& device_attn_info(int device) {
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
     info.kind = attn_kernel_for(device);
-    check_launch(info.kind == AttnKernel::kHopper       ? attn_kernel_info_sm90(&info.kernel)
-                 : info.kind == AttnKernel::kHopperPair ? attn_kernel_info_sm90_pair(&info.kernel)
-                                                        : attn_kernel_info_576_512(&info.kernel),
+    check_launch(info.kind == AttnKernel::kHopper ? attn_kernel_info_sm90(&info.kernel)
+                                                  : attn_kernel_info_576_512(&info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
       fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +
@@ -210,9 +208,8 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.rope = static_cast<int>(kRope);
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
-  check_launch(info.kind == AttnKernel::kHopper       ? launch_attention_sm90(ap, stream)
-               : info.kind == AttnKernel::kHopperPair ? launch_attention_sm90_pair(ap, stream)
-                                                      : launch_attention_576_512(ap, stream),
+  check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
+                                                : launch_attention_576_512(ap, stream),
                "attention launch");
 
   CombineParams cp{};

@@ -25,12 +25,9 @@ const char* launch_plan(const PlanParams& p, stream_t stream);
 const char* launch_attention_576_512(const AttnParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 
-// Hopper variant (attention_sm90.cu, wgmma; NVIDIA sm_90a builds only):
-// same contract and planner as the portable kernel.
+// Hopper variant (attention_sm90.cu, wgmma, the two warpgroups on alternate
+// 64-key halves; NVIDIA sm_90a builds only): same contract and planner.
 const char* attn_kernel_info_sm90(AttnKernelInfo* info);
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
-// Hopper variant with the warpgroups on alternate 64-key halves (attention_sm90_pair.cu).
-const char* attn_kernel_info_sm90_pair(AttnKernelInfo* info);
-const char* launch_attention_sm90_pair(const AttnParams& p, stream_t stream);
 
 }  // namespace mla

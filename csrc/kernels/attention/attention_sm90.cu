@@ -1,18 +1,32 @@
-// Hopper (sm_90a) variant of the split-KV absorbed MQA decode: warpgroup MMA.
+// Hopper (sm_90a) split-KV absorbed MQA decode with the two warpgroups
+// working on different key halves ("seesaw" schedule, as described in
+// FlashMLA's 2025-04 write-up; written here from that description).
 //
-// Same contract, planner, partial layout and combine as attention.cu; only the
-// block's inner loop differs. One block = 64 query rows x one planned part,
-// two warpgroups (256 threads):
-//   S = Q K^T  each warpgroup multiplies half of the 576-wide k-range (alternate k-steps)
-//              (wgmma m64n32k16, Q and K from shared memory, 128B-swizzled);
-//              the two fp32 partials are summed through shared memory;
-//   softmax    redundantly in both warpgroups, in registers (each thread owns
-//              rows g and g+8 of its warp's 16), P stays in registers;
-//   O += P V   warpgroup w owns output columns [256 w, 256 w + 256)
-//              (wgmma m64n256k16, P from registers, V = the same key tile read
-//              MN-major through a transposed descriptor: no second copy).
-// Keys stream through a 3-deep cp.async ring; RoPE of the keys is applied in
-// shared memory one tile ahead of its use (no barrier of its own).
+// Same contract, planner, partial layout and combine as attention.cu. One
+// block = 64 query rows x one planned part; the planner's tile is a PAIR of
+// 64-key halves, K0 (keys 0..63 of the pair) and K1 (64..127), each in its own
+// shared buffer. Warpgroup 0 owns output columns [0, 256) (O_L), warpgroup 1
+// owns [256, 512) (O_R); a running row max m is shared through shared memory.
+// Per pair:
+//   WG0: S0 = Q K0^T (all 576 columns), m0 = max(m, rowmax S0), P0 = exp(S0 - m0),
+//        O_L = O_L * exp(m - m0) + P0 V0L                         (P0 from registers)
+//   WG1: S1 = Q K1^T, m1 = max(m0, rowmax S1), P1 = exp(S1 - m1),
+//        O_R = O_R * exp(m - m1) + P1 V1R                         (P1 from registers)
+//        O_R += (P0 exp(m0 - m1)) V0R                            (P0 from shared memory)
+//   WG0: O_L = O_L * exp(m0 - m1) + P1 V1L                        (P1 from shared memory)
+// so one warpgroup's softmax runs while the other's matrix products do, and
+// the next pair's S is issued while the last P V is still in flight.
+//
+// Shared memory: Q, K0, K1 (64 rows x 576, 128B-swizzled 64-column blocks) and
+// a few hundred bytes. P0 and P1 live in column block 8 (the rope block) of
+// their own key buffer, which nothing reads between its S and its reload.
+// Loads are cp.async, each group completing an mbarrier; the loads of a
+// buffer's column blocks are issued by the warpgroup whose matrix product was
+// the last to read them:
+//   K0 blocks 0-3  WG0 (after P0 V0L)     K0 blocks 4-8  WG1 (after P0 V0R; block 8 held P0)
+//   K1 blocks 0-3,8 WG0 (after P1 V1L)    K1 blocks 4-7  WG1 (after P1 V1R)
+// Key RoPE (task semantics) rotates block 8 of a half in place, after its load
+// and while the first 32 k-steps of its S are in flight.
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
 #include "../../platform/vendor.h"
@@ -25,131 +39,203 @@ namespace mla {
 #if MLA_NVIDIA
 namespace {
 
-struct Sm90Tile {
+struct PairTile {
   static constexpr int kD = 576, kDv = 512, kRope = 64;
-  static constexpr int kM = 64;          // query rows per block
-  static constexpr int kBN = 32;         // keys per tile
-  static constexpr int kStages = 3;
-  static constexpr int kThreads = 256;   // two warpgroups
-  static constexpr int kBlocks = kD / 64;              // 64-wide (128 B) column blocks
-  static constexpr int kQBlockBytes = kM * 128;         // one column block of Q
-  static constexpr int kKBlockBytes = kBN * 128;        // one column block of a key tile
-  static constexpr int kQBytes = kBlocks * kQBlockBytes;
-  static constexpr int kKStageBytes = kBlocks * kKBlockBytes;
-  static constexpr int kSBytes = 2 * kM * kBN * 4;
-  static constexpr int kCsStageBytes = kBN * kRope * 2;
-  static constexpr int kSmem = 1024 /*alignment slack*/ + kQBytes + kStages * kKStageBytes + kSBytes +
-                               kStages * kCsStageBytes;
-  static constexpr int kKSteps = kD / 16;               // 36, 18 per warpgroup
-  static_assert(kD % 64 == 0 && kRope == 64 && kBN == 32 && kThreads == 8 * kBN,
-                "the sm90 tile is written for 576/512/64, 32 keys, 8 loader threads per key row");
+  static constexpr int kM = 64;                          // query rows per block
+  static constexpr int kHalf = 64;                       // keys per half (per warpgroup)
+  static constexpr int kTileKeys = 2 * kHalf;            // the planner's unit
+  static constexpr int kThreads = 256;                   // two warpgroups
+  static constexpr int kBlocks = kD / 64;                // 64-column (128 B) blocks
+  static constexpr int kBlockBytes = 64 * 128;           // one column block of 64 rows
+  static constexpr int kMatBytes = kBlocks * kBlockBytes;  // Q, K0 or K1
+  static constexpr int kSmem = 1024 /*alignment*/ + 3 * kMatBytes + 3 * kM * 4 /*sM, sL*/ + 4 * 8 /*mbarriers*/;
+  static_assert(kD == 576 && kDv == 512 && kRope == 64 && kM == kHalf,
+                "the pair kernel is written for 576/512/64 and 64-row tiles");
 };
 
-
-// S partial of one warpgroup: k-steps 2k + wg (k = 0..17), interleaved so
-// that every descriptor offset is a compile-time constant plus the
-// warpgroup's 32 bytes, folded into the base descriptors once. (A runtime
-// warpgroup index in the offsets cost ~30 instructions per wgmma; a branch
-// per warpgroup made ptxas serialize the wgmmas, C7520.)
-MLA_DEVICE void s_partial(float (&sacc)[16], uint64_t dq_wg, uint64_t dk_wg) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = Sm90Tile;
+// Named barriers (0 is __syncthreads).
+enum : int { kBarM0 = 1, kBarM1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg0 = 5 /* 6: warpgroup 1 */ };
+// mbarriers: K0 blocks 0-3, K0 blocks 4-8, K1 blocks 0-3 + 8, K1 blocks 4-7
+enum : int { kMbK0a = 0, kMbK0b = 1, kMbK1a = 2, kMbK1b = 3 };
+
+// S k-steps [K0, K1) of 36: Q block k/4, 32-byte step k%4, all compile-time.
+template <int K0, int K1>
+MLA_DEVICE void s_steps(float (&s)[32], uint64_t dq, uint64_t dk) {
 #pragma unroll
-  for (int k = 0; k < T::kKSteps / 2; ++k) {
-    const uint32_t off_q = (k >> 1) * T::kQBlockBytes + ((2 * k) & 3) * 32;
-    const uint32_t off_k = (k >> 1) * T::kKBlockBytes + ((2 * k) & 3) * 32;
-    wg::wgmma_m64n32k16_ss(sacc, dq_wg + (off_q >> 4), dk_wg + (off_k >> 4), k > 0 ? 1 : 0);
+  for (int k = K0; k < K1; ++k) {
+    constexpr int kB = PairTile::kBlockBytes;
+    const uint32_t off = (k >> 2) * kB + (k & 3) * 32;
+    wg::wgmma_m64n64k16_ss(s, dq + (off >> 4), dk + (off >> 4), k > 0 ? 1 : 0);
   }
-#endif
 }
 
-__global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(const AttnParams p) {
+// O += P V over 64 keys: P from registers (the S accumulator layout is the A layout).
+MLA_DEVICE void pv_regs(float (&o)[128], const uint32_t (&pa)[16], uint64_t dv) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint32_t a[4] = {pa[4 * kk + 0], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+    wg::wgmma_m64n256k16_rs_tb(o, a, dv + ((kk * 16 * 128) >> 4));
+  }
+}
+
+// O += P V over 64 keys: P from shared memory (K-major, 128B-swizzled, 64 x 64).
+MLA_DEVICE void pv_smem(float (&o)[128], uint64_t dp, uint64_t dv) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wg::wgmma_m64n256k16_ss_tb(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+}
+
+MLA_DEVICE void scale_rows(float (&o)[128], float a0, float a1) {
+  if (a0 != 1.f || a1 != 1.f) {  // exact: a row whose max did not move has factor 1
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
+  }
+}
+
+// Row max of this thread's two rows (slots i & 2 == 0: row r0, else r1) after
+// masking keys >= lim and scaling to log2 units; reduced over the quad.
+MLA_DEVICE void mask_scale_max(float (&s)[32], int key0, int t4, int lim0, int lim1, float scale_log2, float& mx0,
+                               float& mx1) {
+  mx0 = neg_inf();
+  mx1 = neg_inf();
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int c = 8 * (i / 4) + 2 * t4 + (i & 1);
+    const bool hi = (i & 2) != 0;
+    float v = s[i] * scale_log2;
+    if (key0 + c >= (hi ? lim1 : lim0)) v = neg_inf();
+    s[i] = v;
+    if (hi) mx1 = fmaxf(mx1, v); else mx0 = fmaxf(mx0, v);
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+}
+
+// s <- exp2(s - m) (fp32, kept), pa <- bf16 pairs of it; returns the row sums
+// of what P V multiplies (the bf16 values).
+MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1, float& sum0, float& sum1) {
+  const float mu0 = m0 == neg_inf() ? 0.f : m0, mu1 = m1 == neg_inf() ? 0.f : m1;
+  sum0 = 0.f;
+  sum1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; i += 2) {
+    const bool hi = (i & 2) != 0;
+    const float mu = hi ? mu1 : mu0;
+    s[i] = fast_exp2(s[i] - mu);
+    s[i + 1] = fast_exp2(s[i + 1] - mu);
+    const uint32_t w2 = pack_bf16x2(s[i], s[i + 1]);
+    const float s2 = bf16_lo(w2) + bf16_hi(w2);
+    if (hi) sum1 += s2; else sum0 += s2;
+    pa[i / 2] = w2;
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, off);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, off);
+  }
+}
+
+// Factor that moves an accumulation at max `from` to max `to` (to >= from).
+// A row that has seen nothing yet (from == -inf) holds zeros: factor 0.
+MLA_DEVICE float rescale(float from, float to) { return from == neg_inf() ? 0.f : fast_exp2(from - to); }
+
+// P (bf16 pairs in the S accumulator layout) -> 64 x 64 K-major swizzled
+// block at `blk`. Row r0 / r1 of this thread; conflict-free (rows differ in
+// their swizzle phase across the 8 g's).
+MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, int r1, int t4) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int r = (j & 1) ? r1 : r0;
+    *reinterpret_cast<uint32_t*>(blk + r * 128 + (((j >> 1) ^ (r & 7)) << 4) + 4 * t4) = pa[j];
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+__global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = Sm90Tile;
+  using T = PairTile;
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));  // swizzle atoms: 1 KB
   unsigned char* q_s = smem;
-  unsigned char* k_s = q_s + T::kQBytes;
-  float* s_s = reinterpret_cast<float*>(k_s + T::kStages * T::kKStageBytes);
-  bf16_t* cs_s = reinterpret_cast<bf16_t*>(reinterpret_cast<unsigned char*>(s_s) + T::kSBytes);
+  unsigned char* k_s = q_s + T::kMatBytes;  // K0, then K1
+  float* s_m = reinterpret_cast<float*>(k_s + 2 * T::kMatBytes);  // shared running max [64]
+  float* s_l = s_m + T::kM;                                         // row sums of both warpgroups [2][64]
+  uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);
 
   Part pt;
   if (!read_part(p, block_y(), pt)) return;
-  const int b = pt.b, tile_begin = pt.tile_begin, tile_end = pt.tile_end, split = pt.split;
-  const int nsplit = pt.nsplit, first_part = pt.first_part, L = pt.L;
+  const int b = pt.b, L = pt.L;
+  const int npairs = pt.tile_end - pt.tile_begin;
 
   const int tid = thread_x();
-  const int wg = tid / 128;                 // warpgroup
-  const int warp = (tid % 128) / 32;        // warp within the warpgroup: rows 16 warp ..
-  const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  // warpgroup index, made visibly warp-uniform for the compiler (a per-thread
+  // value would make every branch on it divergent and serialize the wgmmas)
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), t = tid % 128;
+  const int warp = t / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int row_base = block_x() * T::kM;
-  const int ntiles = tile_end - tile_begin;
+  const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's rows in the S / O layouts
 
-  // Key tile loads: thread tid owns row tid / 8 of the 32-key tile and the
-  // 16-byte chunks (tid % 8) + 8 i, i = 0..8: per i a warp reads 4 rows x
-  // 128 contiguous bytes, and every offset is a per-thread constant plus a
-  // compile-time one (the first layout spent ~35% of all instructions here).
-  const int lr = tid / 8, lc = tid % 8;                           // row, chunk within a 128 B block
-  const uint32_t lsmem = lr * 128 + ((lc ^ (lr & 7)) << 4);      // swizzled, + i * kKBlockBytes
-  auto load_tile = [&](int j) {
-    unsigned char* dst = k_s + (j % T::kStages) * T::kKStageBytes + lsmem;
-    const int t = (tile_begin + j) * T::kBN + lr;
-    const bool valid = t < L;
-    const bf16_t* src = p.kv;
-    if (valid) {
-      src = p.block_table == nullptr
-                ? p.kv + b * p.kv_page_stride + static_cast<int64_t>(t) * p.kv_row_stride
-                : p.kv + static_cast<int64_t>(p.block_table[b * p.block_table_stride + t / p.page_size]) * p.kv_page_stride +
-                      static_cast<int64_t>(t % p.page_size) * p.kv_row_stride;
-      src += lc * 8;
-    }
+  if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < T::kBlocks; ++i) copy16_async(dst + i * T::kKBlockBytes, valid ? src + i * 64 : src, valid);
-    if (p.rope_cs != nullptr) {  // 32 rows x 8 chunks of cos|sin: one per thread, the same row
-      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope + lr * T::kRope + lc * 8;
-      copy16_async(cdst, valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + lc * 8 : p.rope_cs, valid);
+    for (int i = 0; i < 4; ++i) wg::mbar_init(&mb[i], 128);
+  }
+
+  // ---- loads. Thread (lr, lc) of a warpgroup copies rows lr + 16 i of a
+  // half, 16-byte chunk lc of each column block it is given: per instruction a
+  // warp reads 4 rows x 128 contiguous bytes.
+  const int lr = t / 8, lc = t % 8;
+  const uint32_t lsmem = lr * 128 + ((lc ^ (lr & 7)) << 4);  // + 16 i rows (same swizzle phase)
+  auto key_row = [&](int key) -> const bf16_t* {
+    return p.block_table == nullptr
+               ? p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride
+               : p.kv + static_cast<int64_t>(p.block_table[b * p.block_table_stride + key / p.page_size]) *
+                            p.kv_page_stride +
+                     static_cast<int64_t>(key % p.page_size) * p.kv_row_stride;
+  };
+  // column blocks [blo, bhi) (+ block 8 if with8) of half h of pair jp, then
+  // arrive on mbarrier `bar` when they have landed
+  auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
+    unsigned char* dst = k_s + h * T::kMatBytes + lsmem;
+    const int key_base = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + lr;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = key_base + 16 * i;
+      const bool valid = key < L;  // rows past the length are zero-filled (the cache may hold NaN there)
+      const bf16_t* src = valid ? key_row(key) + lc * 8 : p.kv;
+      unsigned char* d = dst + i * 16 * 128;
+      for (int bk = blo; bk < bhi; ++bk) copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
+      if (with8) copy16_async(d + 8 * T::kBlockBytes, valid ? src + 8 * 64 : src, valid);
     }
+    wg::cp_async_arrive(&mb[bar]);
   };
 
-  // Q (64 rows x 576) once, then the first key tiles
+  // ---- key RoPE of half h of pair jp, in place in its block 8: thread
+  // (row t/2, hh = t%2) rotates pairs (j, j + 32) for j in [16 hh, 16 hh + 16).
+  const bool rope = p.rope_cs != nullptr;
+  auto rotate_half = [&](int jp, int h) {
+    const int row = t / 2, hh = t % 2;
+    const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
+    if (key < L) {
+      const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
+      unsigned char* blk = k_s + h * T::kMatBytes + 8 * T::kBlockBytes + row * 128;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = lr + 32 * h;
-    const bool valid = row_base + r < p.rows;
-    const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + lc * 8 : p.q;
-#pragma unroll
-    for (int i = 0; i < T::kBlocks; ++i)
-      copy16_async(q_s + i * T::kQBlockBytes + r * 128 + ((lc ^ (r & 7)) << 4), valid ? src + i * 64 : src, valid);
-  }
-  copy_commit();
-#pragma unroll
-  for (int j = 0; j < T::kStages - 1; ++j) {
-    if (j < ntiles) load_tile(j);
-    copy_commit();
-  }
-
-  // Key RoPE in shared memory, one tile ahead: tile jj is rotated while tile
-  // jj - 1 is being multiplied, so no barrier of its own is needed (the next
-  // iteration's barrier publishes it).
-  auto rotate_tile = [&](int jj) {
-      // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to
-      // bf16. Thread (lr, lc) rotates 4 of the 32 pairs (j, j + 32) of its row:
-      // words 2 (lc >> 2) .. + 1 of chunks (lc & 3) and (lc & 3) + 4.
-      if ((tile_begin + jj) * T::kBN + lr < L) {
-        const int c1 = lc & 3, w0 = 2 * (lc >> 2);
-        unsigned char* blk = k_s + (jj % T::kStages) * T::kKStageBytes + (T::kBlocks - 1) * T::kKBlockBytes + lr * 128;
-        uint2* p1 = reinterpret_cast<uint2*>(blk + ((c1 ^ (lr & 7)) << 4) + 4 * w0);
-        uint2* p2 = reinterpret_cast<uint2*>(blk + (((c1 + 4) ^ (lr & 7)) << 4) + 4 * w0);
-        const uint32_t* csr = reinterpret_cast<const uint32_t*>(cs_s + ((jj % T::kStages) * T::kBN + lr) * T::kRope);
-        const uint2 cw = *reinterpret_cast<const uint2*>(csr + 4 * c1 + w0);
-        const uint2 sw = *reinterpret_cast<const uint2*>(csr + 16 + 4 * c1 + w0);
-        uint2 x1 = *p1, x2 = *p2;
+      for (int c = 0; c < 2; ++c) {
+        const uint4 cw = cs[2 * hh + c], sw = cs[4 + 2 * hh + c];
+        uint4* p1 = reinterpret_cast<uint4*>(blk + (((2 * hh + c) ^ (row & 7)) << 4));
+        uint4* p2 = reinterpret_cast<uint4*>(blk + (((4 + 2 * hh + c) ^ (row & 7)) << 4));
+        uint4 x1 = *p1, x2 = *p2;
         uint32_t* a1 = reinterpret_cast<uint32_t*>(&x1);
         uint32_t* a2 = reinterpret_cast<uint32_t*>(&x2);
-        const uint32_t cc[2] = {cw.x, cw.y}, ss[2] = {sw.x, sw.y};
+        const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
+        const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
 #pragma unroll
-        for (int w = 0; w < 2; ++w) {
+        for (int w = 0; w < 4; ++w) {
+          // rot(x) = x cos + cat(-x2, x1) sin, every product and sum rounded to bf16
           const float u1l = bf16_lo(a1[w]), u1h = bf16_hi(a1[w]), u2l = bf16_lo(a2[w]), u2h = bf16_hi(a2[w]);
           const float cl = bf16_lo(cc[w]), ch = bf16_hi(cc[w]), sl = bf16_lo(ss[w]), sh = bf16_hi(ss[w]);
           a1[w] = pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh));
@@ -158,134 +244,214 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
         *p1 = x1;
         *p2 = x2;
       }
+    }
+    wg::fence_proxy_async();
+    wg::named_sync(kBarWg0 + wg, 128);
   };
 
-  // this thread's rows (within the block) and their causal limits
-  const int r0 = warp * 16 + g, r1 = r0 + 8;
+  const uint64_t dq = wg::desc_sw128(q_s, 16, 1024);
+  const uint64_t dk = wg::desc_sw128(k_s + wg * T::kMatBytes, 16, 1024);  // this warpgroup's half
+  // V halves: this warpgroup's 256 columns of K0 / K1, read MN-major
+  const uint64_t dv0 = wg::desc_sw128(k_s + 4 * wg * T::kBlockBytes, T::kBlockBytes, 1024);
+  const uint64_t dv1 = wg::desc_sw128(k_s + T::kMatBytes + 4 * wg * T::kBlockBytes, T::kBlockBytes, 1024);
+  // P of the OTHER warpgroup's half: block 8 of K1 (for WG0) / K0 (for WG1)
+  unsigned char* p_mine = k_s + wg * T::kMatBytes + 8 * T::kBlockBytes;
+  const uint64_t dp_other = wg::desc_sw128(k_s + (1 - wg) * T::kMatBytes + 8 * T::kBlockBytes, 16, 1024);
+
+  // a half whose first key is past the length (the second half of a short
+  // last tile): no S, no P V for it (same answer for every thread of the block)
+  auto half_empty = [&](int jp, int h) { return (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf >= L; };
+
+  // S of this warpgroup's half of pair jp: blocks 0-3, 4-7 as they land, then
+  // the rope block (rotated meanwhile). `between` runs after the first group
+  // is issued (warpgroup 0 releases K1 there).
+  auto issue_s = [&](float (&s)[32], int jp, auto between) {
+    const uint32_t par = jp & 1;
+    if (half_empty(jp, wg)) {  // nothing to multiply: the mask makes S -inf; keep the barrier phases
+      wg::mbar_wait(&mb[wg == 0 ? kMbK0a : kMbK1a], par);
+      between();
+      wg::mbar_wait(&mb[wg == 0 ? kMbK0b : kMbK1b], par);
+      return;
+    }
+    wg::mbar_wait(&mb[wg == 0 ? kMbK0a : kMbK1a], par);
+    wg::fence_proxy_async();
+    wg::fence();
+    s_steps<0, 16>(s, dq, dk);
+    wg::commit();
+    between();
+    wg::mbar_wait(&mb[wg == 0 ? kMbK0b : kMbK1b], par);
+    wg::fence_proxy_async();
+    wg::fence();  // after the (per-thread) wait loop: else ptxas inserts one and serializes
+    s_steps<16, 32>(s, dq, dk);
+    wg::commit();
+    if (rope) rotate_half(jp, wg);
+    wg::fence();
+    s_steps<32, 36>(s, dq, dk);
+    wg::commit();
+  };
+
+  // ---- Q once (all threads), then pair 0
+  {
+    const int qr = tid / 8, qc = tid % 8;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = qr + 32 * h;
+      const bool valid = row_base + r < p.rows;
+      const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + qc * 8 : p.q;
+#pragma unroll
+      for (int i = 0; i < T::kBlocks; ++i)
+        copy16_async(q_s + i * T::kBlockBytes + r * 128 + ((qc ^ (r & 7)) << 4), valid ? src + i * 64 : src, valid);
+    }
+    copy_commit();
+  }
+  sync_threads();  // mbarriers initialised
+  if (npairs > 0) {
+    if (wg == 0) {
+      load_half(0, 0, 0, 4, false, kMbK0a);
+      load_half(0, 1, 0, 4, true, kMbK1a);
+    } else {
+      load_half(0, 0, 4, 8, true, kMbK0b);
+      load_half(0, 1, 4, 8, false, kMbK1b);
+    }
+  }
+  copy_wait<0>();  // Q (the committed group)
+  wg::fence_proxy_async();
+  sync_threads();
+
+  // causal limits of this thread's rows (keys >= lim are masked)
   int lim0 = L, lim1 = L;
   if (p.causal) {
-    lim0 = L - (p.s_q - 1 - (row_base + r0) / p.h_q);
-    lim1 = L - (p.s_q - 1 - (row_base + r1) / p.h_q);
+    lim0 = min(L, L - (p.s_q - 1 - (row_base + r0) / p.h_q));
+    lim1 = min(L, L - (p.s_q - 1 - (row_base + r1) / p.h_q));
   }
-  float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
-  // descriptors once; per k-step only the start address (16-byte units, low
-  // bits) moves, which never carries out of its 14-bit field (< 256 KB)
-  const uint64_t dq = wg::desc_sw128(q_s, 16, 1024);
-  const uint64_t dk = wg::desc_sw128(k_s, 16, 1024);
-  const uint64_t dv = wg::desc_sw128(k_s + (4 * wg) * T::kKBlockBytes, T::kKBlockBytes, 1024);
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;  // rows r0, r1: this warpgroup's view
+  float s[32];
+  uint32_t pa[16];
 
-  const bool rope = p.rope_cs != nullptr;
-  if (rope && ntiles > 0) {
-    copy_wait<0>();
-    sync_threads();
-    rotate_tile(0);
-  }
-  for (int j = 0; j < ntiles; ++j) {
-    if (rope)
-      copy_wait<0>();  // tile j + 1 too: it is rotated during this tile
-    else
-      copy_wait<T::kStages - 2>();
-    wg::fence_proxy_async();
-    sync_threads();  // tile j (and Q) landed and rotated for everyone; tile j-1's buffer is free
-    if (j + T::kStages - 1 < ntiles) load_tile(j + T::kStages - 1);
-    copy_commit();
-    if (rope && j + 1 < ntiles) rotate_tile(j + 1);
-
-    const int key0 = (tile_begin + j) * T::kBN;
-    // ---- S partial over this warpgroup's 18 k-steps
-    float sacc[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sacc[i] = 0.f;
-    const uint32_t stage_off = (j % T::kStages) * T::kKStageBytes;
-    wg::fence();
-    s_partial(sacc, dq + 2 * wg, dk + 2 * wg + (stage_off >> 4));  // + 32 bytes for warpgroup 1
-    wg::commit();
-    wg::wait<0>();
-    // exchange the partials: slot i of this thread is row (i & 2 ? r1 : r0), col 8 (i / 4) + 2 t4 + (i & 1)
-    // the partner thread (same index in the other warpgroup) holds the same
-    // (row, col) slots: exchange through a [slot][thread] array, conflict-free
-    {
-      float* mine = s_s + wg * 16 * 128 + (tid % 128);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mine[i * 128] = sacc[i];
-    }
-    sync_threads();
-    {
-      const float* other = s_s + (1 - wg) * 16 * 128 + (tid % 128);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) sacc[i] += other[i * 128];  // a + b == b + a: both see identical P
-    }
-
-    // ---- online softmax in registers (rows r0: slots i&2==0, r1: i&2)
-    float mx0 = neg_inf(), mx1 = neg_inf();
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int c = 8 * (i / 4) + 2 * t4 + (i & 1);
-      const bool hi = (i & 2) != 0;
-      float v = sacc[i] * p.scale_log2;
-      if (key0 + c >= (hi ? lim1 : lim0)) v = neg_inf();
-      sacc[i] = v;
-      if (hi) mx1 = fmaxf(mx1, v); else mx0 = fmaxf(mx0, v);
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = mn0 == neg_inf() ? 0.f : mn0, mu1 = mn1 == neg_inf() ? 0.f : mn1;
-    const float a0 = fast_exp2(m0 - mu0), a1 = fast_exp2(m1 - mu1);
-    uint32_t pa[8];
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      const bool hi = (i & 2) != 0;
-      const float mu = hi ? mu1 : mu0;
-      const uint32_t w2 = pack_bf16x2(fast_exp2(sacc[i] - mu), fast_exp2(sacc[i + 1] - mu));
-      const float s2 = bf16_lo(w2) + bf16_hi(w2);  // the sum of what P V multiplies
-      if (hi) sum1 += s2; else sum0 += s2;
-      pa[i / 2] = w2;
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      sum0 += __shfl_xor_sync(0xffffffffu, sum0, off);
-      sum1 += __shfl_xor_sync(0xffffffffu, sum1, off);
-    }
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-    m0 = mn0;
-    m1 = mn1;
-    if (a0 != 1.f || a1 != 1.f) {  // exact: a row whose max did not move has alpha == 1
-#pragma unroll
-      for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
-    }
-
-    // ---- O += P V over this warpgroup's 256 columns (2 k-steps of 16 keys)
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < T::kBN / 16; ++kk) {
-      // A fragment for keys 16 kk ..: slots 8 kk .. 8 kk + 7 of S are exactly the mma A layout
-      const uint32_t a[4] = {pa[4 * kk + 0], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      wg::wgmma_m64n256k16_rs_tb(o, a, dv + ((stage_off + kk * 16 * 128) >> 4));
-    }
-    wg::commit();
+  if (npairs > 0) {
+    issue_s(s, 0, [] {});
     wg::wait<0>();
   }
-  copy_wait<0>();
+  if (wg == 0) {
+    for (int jp = 0; jp < npairs; ++jp) {
+      const bool more = jp + 1 < npairs;
+      // softmax of S0 against the running max
+      float mx0, mx1, sum0, sum1;
+      mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
+      const float n0 = fmaxf(m_a, mx0), n1 = fmaxf(m_b, mx1);
+      if (t4 == 0) {
+        s_m[r0] = n0;
+        s_m[r1] = n1;
+      }
+      const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
+      exp_pack(s, pa, n0, n1, sum0, sum1);
+      l_a = l_a * c0 + sum0;
+      l_b = l_b * c1 + sum1;
+      m_a = n0;
+      m_b = n1;
+      scale_rows(o, c0, c1);
+      wg::named_arrive(kBarM0, 256);
+      // O_L += P0 V0L
+      wg::fence();
+      pv_regs(o, pa, dv0);
+      wg::commit();
+      wg::wait<0>();
+      if (more) load_half(jp + 1, 0, 0, 4, false, kMbK0a);  // K0 blocks 0-3: read by nothing else now
+      // warpgroup 1's max -> P0 rescaled for it
+      wg::named_sync(kBarM1, 256);
+      const float f0 = s_m[r0], f1 = s_m[r1];
+      const float d0 = rescale(m_a, f0), d1 = rescale(m_b, f1);
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const float d = (i & 2) ? d1 : d0;
+        pa[i / 2] = pack_bf16x2(s[i] * d, s[i + 1] * d);
+      }
+      store_p(p_mine, pa, r0, r1, t4);
+      wg::fence_proxy_async();
+      wg::named_arrive(kBarP0, 256);
+      l_a *= d0;
+      l_b *= d1;
+      m_a = f0;
+      m_b = f1;
+      // O_L = O_L * d + P1 V1L (P1 from warpgroup 1, in K1 block 8)
+      wg::named_sync(kBarP1, 256);
+      scale_rows(o, d0, d1);
+      if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
+        wg::fence();
+        pv_smem(o, dp_other, dv1);
+        wg::commit();
+      }
+      if (more) {
+        issue_s(s, jp + 1, [&] {
+          wg::wait<1>();                                // P1 V1L done: K1 blocks 0-3 and 8 are free
+          load_half(jp + 1, 1, 0, 4, true, kMbK1a);
+        });
+      }
+      wg::wait<0>();
+    }
+  } else {
+    for (int jp = 0; jp < npairs; ++jp) {
+      const bool more = jp + 1 < npairs;
+      float mx0, mx1, sum0, sum1;
+      mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
+      wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
+      const float n0 = fmaxf(s_m[r0], mx0), n1 = fmaxf(s_m[r1], mx1);
+      if (t4 == 0) {
+        s_m[r0] = n0;
+        s_m[r1] = n1;
+      }
+      wg::named_arrive(kBarM1, 256);
+      const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
+      exp_pack(s, pa, n0, n1, sum0, sum1);
+      l_a = l_a * c0 + sum0;
+      l_b = l_b * c1 + sum1;
+      m_a = n0;
+      m_b = n1;
+      scale_rows(o, c0, c1);
+      store_p(p_mine, pa, r0, r1, t4);
+      wg::fence_proxy_async();
+      wg::named_arrive(kBarP1, 256);
+      // O_R += P1 V1R, then += P0' V0R once warpgroup 0 has stored P0'
+      if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
+        wg::fence();
+        pv_regs(o, pa, dv1);
+        wg::commit();
+      }
+      wg::named_sync(kBarP0, 256);
+      wg::fence();
+      pv_smem(o, dp_other, dv0);
+      wg::commit();
+      wg::wait<1>();  // P1 V1R done: K1 blocks 4-7 are free
+      if (more) load_half(jp + 1, 1, 4, 8, false, kMbK1b);
+      wg::wait<0>();  // P0 V0R done: K0 blocks 4-8 (8 held P0) are free
+      if (more) {
+        load_half(jp + 1, 0, 4, 8, true, kMbK0b);
+        issue_s(s, jp + 1, [] {});
+        wg::wait<0>();
+      }
+    }
+  }
 
-  // ---- normalise and write
+  // ---- both warpgroups hold O and l at the same final max: add the row sums
+  if (t4 == 0) {
+    s_l[wg * T::kM + r0] = l_a;
+    s_l[wg * T::kM + r1] = l_b;
+  }
+  sync_threads();
+  const float l0 = s_l[r0] + s_l[T::kM + r0], l1 = s_l[r1] + s_l[T::kM + r1];
+
   constexpr float kLn2 = 0.69314718055994531f;
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
   const int col0 = 256 * wg + 2 * t4;
-  if (nsplit == 1) {
+  if (pt.nsplit == 1) {
     if (wg == 0 && t4 == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_base + (h ? r1 : r0);
-        const float l = h ? l1 : l0, m = h ? m1 : m0;
+        const float l = h ? l1 : l0, m = h ? m_b : m_a;
         if (r < p.rows)
           p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] =
               l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
@@ -302,12 +468,12 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
         *reinterpret_cast<uint32_t*>(orow + 8 * jn) = pack_bf16x2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
     }
   } else {
-    const int64_t prow = static_cast<int64_t>(first_part + split) * p.rows;
+    const int64_t prow = static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row_base + (h ? r1 : r0);
       if (r >= p.rows) continue;
-      const float l = h ? l1 : l0, m = h ? m1 : m0, sc = h ? inv1 : inv0;
+      const float l = h ? l1 : l0, m = h ? m_b : m_a, sc = h ? inv1 : inv0;
       if (wg == 0 && t4 == 0) p.lse_part[prow + r] = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
       float* orow = p.o_part + (prow + r) * T::kDv + col0;
 #pragma unroll
@@ -323,10 +489,10 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1) attention_sm90_kernel(c
 }  // namespace
 
 const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
-  using T = Sm90Tile;
+  using T = PairTile;
   if (const char* e = set_max_dynamic_smem(attention_sm90_kernel, T::kSmem)) return e;
   info->rows_per_block = T::kM;
-  info->tile = T::kBN;
+  info->tile = T::kTileKeys;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
@@ -336,7 +502,7 @@ const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
 }
 
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
-  using T = Sm90Tile;
+  using T = PairTile;
   if (p.rope != T::kRope) return "launch_attention_sm90: rope width must be 64";
   dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
   attention_sm90_kernel<<<grid, T::kThreads, T::kSmem, stream>>>(p);
