@@ -112,7 +112,51 @@ KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_t
   return l;
 }
 
+struct Planned {
+  at::Tensor plan;
+  int64_t max_parts;
+};
+
+// The split plan of one call (plan.h), computed on the device from the
+// lengths: no host synchronisation, so it is captured with the call.
+Planned make_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, const DeviceAttnInfo& info,
+                  stream_t stream) {
+  const int64_t bs = seqlens.size(0);
+  const int64_t rows = s_q * h_q;
+  const int64_t head_blocks = (rows + info.kernel.rows_per_block - 1) / info.kernel.rows_per_block;
+  const int64_t target_parts =
+      std::max<int64_t>(1, static_cast<int64_t>(info.sm_count) * info.kernel.blocks_per_sm / head_blocks);
+  const int64_t max_parts = target_parts + bs;
+  if (max_parts > 65535) fail("too many parts for one launch: " + num(max_parts));
+  at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))},
+                              seqlens.options().dtype(at::kInt));
+  PlanParams pp{};
+  pp.seqlens = seqlens.data_ptr<int32_t>();
+  pp.plan = plan.data_ptr<int32_t>();
+  pp.bs = static_cast<int>(bs);
+  pp.max_parts = static_cast<int>(max_parts);
+  pp.target_parts = static_cast<int>(target_parts);
+  pp.tile = info.kernel.tile;
+  pp.s_q = static_cast<int>(s_q);
+  pp.max_len = static_cast<int>(capacity);
+  check_launch(launch_plan(pp, stream), "split planner launch");
+  return {plan, max_parts};
+}
+
 }  // namespace
+
+at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity) {
+  if (!seqlens.is_cuda()) fail_value("seqlens must be on a GPU, got " + seqlens.device().str());
+  check_dtype(seqlens, "seqlens", at::kInt);
+  check_contiguous(seqlens, "seqlens");
+  if (seqlens.dim() != 1 || seqlens.size(0) <= 0) fail_value("seqlens must have shape [bs], bs >= 1, got " + shape_str(seqlens));
+  if (s_q <= 0 || h_q <= 0 || capacity < 0)
+    fail_value("plan: s_q and h_q must be positive and capacity non-negative, got s_q=" + num(s_q) + " h_q=" + num(h_q) +
+               " capacity=" + num(capacity));
+  c10::cuda::CUDAGuard guard(seqlens.device());
+  const DeviceAttnInfo& info = device_attn_info(seqlens.device().index());
+  return make_plan(seqlens, s_q, h_q, capacity, info, at::cuda::getCurrentCUDAStream().stream()).plan;
+}
 
 void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
@@ -158,29 +202,14 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   c10::cuda::CUDAGuard guard(dev);
   const DeviceAttnInfo& info = device_attn_info(device);
   const int64_t rows = s_q * h_q;
-  const int64_t head_blocks = (rows + info.kernel.rows_per_block - 1) / info.kernel.rows_per_block;
-  const int64_t target_parts =
-      std::max<int64_t>(1, static_cast<int64_t>(info.sm_count) * info.kernel.blocks_per_sm / head_blocks);
-  const int64_t max_parts = target_parts + bs;
-  if (max_parts > 65535) fail("too many parts for one launch: " + num(max_parts));
+  auto stream = at::cuda::getCurrentCUDAStream(device).stream();
+  const Planned pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream);
+  const int64_t max_parts = pl.max_parts;
+  at::Tensor plan = pl.plan;
 
-  auto i32 = q.options().dtype(at::kInt);
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))}, i32);
   at::Tensor o_part = at::empty({max_parts, rows, kDv}, f32);
   at::Tensor lse_part = at::empty({max_parts, rows}, f32);
-  auto stream = at::cuda::getCurrentCUDAStream(device).stream();
-
-  PlanParams pp{};
-  pp.seqlens = seqlens.data_ptr<int32_t>();
-  pp.plan = plan.data_ptr<int32_t>();
-  pp.bs = static_cast<int>(bs);
-  pp.max_parts = static_cast<int>(max_parts);
-  pp.target_parts = static_cast<int>(target_parts);
-  pp.tile = info.kernel.tile;
-  pp.s_q = static_cast<int>(s_q);
-  pp.max_len = static_cast<int>(kl.capacity);
-  check_launch(launch_plan(pp, stream), "split planner launch");
 
   AttnParams ap{};
   ap.q = reinterpret_cast<const bf16_t*>(q.data_ptr());
@@ -289,10 +318,12 @@ TORCH_LIBRARY(mla_decode, m) {
       "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
       "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
+  m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
   m.impl("attention", &mla::api::attention);
   m.impl("attention_out", &mla::api::attention_out);
   m.impl("combine", &mla::api::combine);
+  m.impl("plan", &mla::api::plan);
 }

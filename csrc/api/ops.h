@@ -17,6 +17,10 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
                                              bool causal);
 
+// The split plan (csrc/kernels/attention/plan.h) the attention op would use
+// for these lengths, computed on the device: int32 [2 + 2 bs + 4 max_parts].
+at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity);
+
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
 
 // [rows per block, keys per tile, threads, dynamic smem bytes, warp size,

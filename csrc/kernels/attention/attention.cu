@@ -302,6 +302,7 @@ constexpr int kPlanThreads = 1024;
 
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) {
   __shared__ int scan[kPlanThreads];
+  __shared__ int tiles_s[kPlanThreads];
   __shared__ int total_s;
   const int tid = thread_x();
   auto tiles_of = [&](int b) {
@@ -317,12 +318,31 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   sync_threads();
   const int per_part = max(1, (total_s + p.target_parts - 1) / p.target_parts);
 
+  // Part order. Blocks are started roughly in part order as SMs free up, so
+  // with lengths that differ, longest-first keeps the SMs' totals even (LPT
+  // list scheduling). One chunk (bs <= kPlanThreads): slot = rank of the
+  // sequence by tiles, descending (ties by index); more: index order.
+  const bool lpt = p.bs <= kPlanThreads;
   int carry = 0;  // parts of the sequences before this chunk
   for (int base = 0; base < p.bs; base += kPlanThreads) {
     const int b = base + tid;
     const int tiles = b < p.bs ? tiles_of(b) : 0;
     const int n = b < p.bs ? max(1, (tiles + per_part - 1) / per_part) : 0;
-    scan[tid] = n;
+    int slot = tid;
+    if (lpt) {
+      tiles_s[tid] = tiles;
+      sync_threads();
+      if (b < p.bs) {
+        slot = 0;
+        for (int o = 0; o < p.bs; ++o) {
+          const int to = tiles_s[o];
+          slot += (to > tiles || (to == tiles && o < b)) ? 1 : 0;
+        }
+      }
+    }
+    scan[tid] = 0;
+    sync_threads();
+    scan[slot] = n;  // slots are a permutation of 0..bs-1 (or the identity)
     sync_threads();
     for (int off = 1; off < kPlanThreads; off <<= 1) {  // inclusive Hillis-Steele scan
       const int v = tid >= off ? scan[tid - off] : 0;
@@ -331,7 +351,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
       sync_threads();
     }
     if (b < p.bs) {
-      const int first = carry + scan[tid] - n;
+      const int first = carry + scan[slot] - n;
       p.plan[kPlanSeqBase + 2 * b] = n;
       p.plan[kPlanSeqBase + 2 * b + 1] = first;
       const int per_split = (tiles + n - 1) / n;

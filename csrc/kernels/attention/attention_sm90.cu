@@ -202,11 +202,18 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
     unsigned char* dst = k_s + h * T::kMatBytes + lsmem;
     const int key_base = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + lr;
+    // all four row addresses first: with small pages each needs a block-table
+    // read, and issuing them together costs one memory round trip, not four
+    const bf16_t* srcs[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int key = key_base + 16 * i;
-      const bool valid = key < L;  // rows past the length are zero-filled (the cache may hold NaN there)
-      const bf16_t* src = valid ? key_row(key) + lc * 8 : p.kv;
+      srcs[i] = key < L ? key_row(key) + lc * 8 : nullptr;  // rows past the length are zero-filled
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool valid = srcs[i] != nullptr;  // (the cache may hold NaN past the length)
+      const bf16_t* src = valid ? srcs[i] : p.kv;
       unsigned char* d = dst + i * 16 * 128;
       for (int bk = blo; bk < bhi; ++bk) copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
       if (with8) copy16_async(d + 8 * T::kBlockBytes, valid ? src + 8 * 64 : src, valid);

@@ -1,0 +1,95 @@
+"""The FlashMLA-compatible serving API in FlashMLA's published setting:
+b=128, one KV head, h_q in 16..128, s_q 1 and 2, variable lengths
+(normal(mean, mean/2), at least s_q) with mean 4096, 8192, 16384, paged cache
+(block 64; 16 and 1 for the block-size comparison at h_q=128, s_q=1).
+
+    python benchmarks/bench_serving.py [--means 4096 8192 16384] [--json FILE]
+
+Device events, median of many calls (the metadata computed once, outside).
+us, TFLOP/s, GB/s and % of the attention floor max(bytes/BW, FLOPs/peak)."""
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mla_decode  # noqa: E402
+from mla_decode import roofline  # noqa: E402
+from common import device_name, time_events  # noqa: E402
+
+
+def paged_cache(lens, block_size, gen):
+    b = len(lens)
+    used = [(L + block_size - 1) // block_size for L in lens]
+    total = sum(used)
+    ids = torch.randperm(total, generator=gen).to(torch.int32)
+    table = torch.zeros(b, max(used), dtype=torch.int32)
+    off = 0
+    for i, n in enumerate(used):
+        table[i, :n] = ids[off:off + n]
+        off += n
+    k_cache = torch.randn(total, block_size, 1, 576, device="cuda", dtype=torch.bfloat16)
+    return k_cache, table.cuda()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--means", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--b", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not mla_decode.kernels_usable("cuda"):
+        print(f"bench_serving needs the GPU kernels: {mla_decode.backend()}")
+        return 1
+    name = device_name()
+    peaks = roofline.peaks_for(name)
+    print(f"# serving API (flash_mla_with_kvcache) | {mla_decode.backend()} | b={args.b} h_kv=1 d=576 dv=512")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for mean in args.means:
+        for s_q in (1, 2):
+            rnd = random.Random(mean + s_q)
+            lens = [max(int(rnd.normalvariate(mean, mean / 2)), s_q) for _ in range(args.b)]
+            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            for block_size in (64, 16, 1):
+                if block_size != 64 and s_q != 1:
+                    continue
+                k_cache, table = paged_cache(lens, block_size, gen)
+                for h_q in args.heads:
+                    if block_size != 64 and h_q != 128:
+                        continue
+                    q = torch.randn(args.b, s_q, h_q, 576, device="cuda", dtype=torch.bfloat16)
+                    meta, splits = mla_decode.get_mla_metadata(seqlens, s_q * h_q, 1)
+
+                    def call():
+                        mla_decode.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits,
+                                                          causal=s_q > 1)
+
+                    us = time_events(call, iters=args.iters) * 1e3
+                    fl = 2 * sum(lens) * s_q * h_q * (576 + 512)
+                    by = 2 * sum(lens) * 576 + 2 * args.b * s_q * h_q * (576 + 512) + 4 * args.b * s_q * h_q
+                    row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, us=us, tflops=fl / us / 1e6,
+                               gbs=by / us / 1e3)
+                    if peaks:
+                        floor = 1e6 * max(by / peaks[0], fl / peaks[1])
+                        row["floor_us"] = floor
+                        row["pct_floor"] = 100 * floor / us
+                    rows.append(row)
+                    print(f"  mean={mean:>5} s_q={s_q} h_q={h_q:>3} block={block_size:>2}: {us:8.1f} us "
+                          f"{row['tflops']:6.1f} TFLOP/s {row['gbs']:6.0f} GB/s "
+                          f"{row.get('pct_floor', float('nan')):5.1f} % of floor", flush=True)
+                del k_cache, table
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, backend=mla_decode.backend(), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

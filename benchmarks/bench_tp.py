@@ -1,0 +1,89 @@
+"""Tensor-parallel decode step (mla_decode.tp) against one GPU, at bs=128.
+
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py [--prefills 512 2048 4096 6144] [--json FILE]
+
+Per prefill: the single-GPU step (TP=1, rank 0, MLADecoder on the full
+weights) and the sharded step on all ranks, both timed as the task harness
+times (synchronize, wall clock, call, synchronize; repeated calls on one
+cache; ranks aligned by a barrier before each call, outside the timing), and
+the all-reduce of y alone (fp32 [bs, dim], device events). Median of --iters.
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set)."""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mla_decode  # noqa: E402
+from mla_decode.reference import generate_input  # noqa: E402
+from mla_decode.tp import TPDecoder  # noqa: E402
+from common import time_events  # noqa: E402
+
+
+def wall(fn, iters, aligned):
+    times = []
+    for i in range(iters + 3):
+        torch.cuda.synchronize()
+        if aligned:
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefills", type=int, nargs="+", default=[512, 2048, 4096, 6144])
+    ap.add_argument("--bs", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if rank == 0:
+        print(f"# bench_tp | TP={world} | {mla_decode.backend(dev)} | bs={args.bs} | NCCL_NVLS_ENABLE="
+              f"{os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
+    rows = []
+    for prefill in args.prefills:
+        config, x, kv = generate_input(batch_size=args.bs, prefill=prefill, seed=prefill, device=dev)
+        t1 = float("nan")
+        if rank == 0:
+            kv1 = kv.clone()
+            single = mla_decode.MLADecoder(backend="kernels")
+            t1 = wall(lambda: single(config, x, kv1), args.iters, aligned=False)
+            del kv1
+        dist.barrier()
+        tp = TPDecoder(config, rank, world, backend="kernels")
+        tn = wall(lambda: tp(x, kv), args.iters, aligned=True)
+        y = torch.zeros(args.bs, config.dim, device=dev)
+        ar = time_events(lambda: dist.all_reduce(y), iters=args.iters) * 1e3
+        tns = [None] * world
+        dist.all_gather_object(tns, tn)
+        if rank == 0:
+            row = dict(prefill=prefill, tp=world, tp1_us=t1, tpn_us=max(tns), ratio=max(tns) / t1, allreduce_us=ar)
+            rows.append(row)
+            print(f"  prefill {prefill:>5}: TP=1 {t1:8.1f} us | TP={world} {max(tns):8.1f} us (slowest rank) "
+                  f"= {row['ratio']:.2f}x | all-reduce of y {ar:6.1f} us", flush=True)
+        del config, x, kv, tp
+        torch.cuda.empty_cache()
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), tp=world, rows=rows), f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

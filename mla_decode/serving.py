@@ -1,0 +1,110 @@
+"""FlashMLA's serving interface on mla_decode's kernels.
+
+Code written for FlashMLA runs by changing one import::
+
+    from mla_decode import get_mla_metadata, flash_mla_with_kvcache
+
+    tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, dv,
+                                      tile_scheduler_metadata, num_splits, causal=True)
+
+Same argument and return contract as FlashMLA (out [b, s_q, h_q, dv] in q's
+dtype, lse [b, h_q, s_q] fp32, natural log). Beyond FlashMLA: page block
+sizes 1, 16, 32, 64, 128 (any size >= 1 works; those are tested), any h_q
+(16, 24, 32, 64, 128 tested) with one KV head, s_q 1..4 with causal masking.
+
+Differences a caller should know:
+- The split plan is recomputed on the device inside every call from the
+  current ``cache_seqlens`` (a few microseconds, no host synchronisation).
+  ``tile_scheduler_metadata`` and ``num_splits`` are what that planner
+  produced when ``get_mla_metadata`` ran: they are checked for shape and
+  device, never trusted for the split itself, so a stale plan cannot give a
+  wrong answer and a captured CUDA/HIP graph stays right when lengths and
+  block tables change in place.
+- A sequence of length 0 gives out = 0 and lse = -inf (log of an empty sum),
+  never NaN.
+- Supported today: bf16, head_dim 576, head_dim_v 512, one KV head. fp16 is
+  not implemented yet and raises (no silent conversion).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._ext import require_kernels
+
+__all__ = ["get_mla_metadata", "flash_mla_with_kvcache"]
+
+_D, _DV = 576, 512
+
+
+def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int):
+    """cache_seqlens: [b] int32 on the GPU; num_heads_per_head_k = s_q * h_q // h_kv;
+    num_heads_k = h_kv (1 for MLA).
+
+    Returns (tile_scheduler_metadata, num_splits): the device-side split plan
+    for these lengths (int32, opaque, [n] with n depending on b and the
+    device's SM count) and num_splits [b + 1] int32, the cumulative number of
+    splits per sequence (num_splits[i+1] - num_splits[i] splits for sequence
+    i), as FlashMLA returns it."""
+    require_kernels(cache_seqlens.device)
+    if num_heads_k != 1:
+        raise ValueError(f"num_heads_k must be 1 (MLA shares one latent KV head), got {num_heads_k}")
+    if num_heads_per_head_k <= 0:
+        raise ValueError(f"num_heads_per_head_k must be positive, got {num_heads_per_head_k}")
+    _check_seqlens(cache_seqlens)
+    b = cache_seqlens.shape[0]
+    # capacity is unknown here: plan against the lengths as given (the call
+    # re-plans against its cache's capacity anyway)
+    plan = torch.ops.mla_decode.plan(cache_seqlens, 1, int(num_heads_per_head_k), 2 ** 31 - 1)
+    splits = plan[2:2 + 2 * b:2]
+    num_splits = torch.cat([splits.new_zeros(1), torch.cumsum(splits, 0, dtype=torch.int32)])
+    return plan, num_splits
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                           softmax_scale=None, causal=False):
+    """q: [b, s_q, h_q, 576]; k_cache: [num_blocks, page_block_size, 1, 576]
+    (or [num_blocks, page_block_size, 576]); block_table: [b, max_blocks]
+    int32; cache_seqlens: [b] int32; head_dim_v: 512; the metadata from
+    get_mla_metadata; softmax_scale defaults to 576 ** -0.5; causal masks
+    query token i (of s_q) to positions < L - (s_q - 1 - i).
+
+    Returns (out [b, s_q, h_q, 512] in q's dtype, lse [b, h_q, s_q] fp32)."""
+    require_kernels(q.device)
+    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
+        raise TypeError(f"q and k_cache must be bfloat16 (fp16 is not implemented yet), got {q.dtype} and "
+                        f"{k_cache.dtype}")
+    if q.dim() != 4 or q.shape[-1] != _D:
+        raise ValueError(f"q must have shape [b, s_q, h_q, {_D}], got {list(q.shape)}")
+    if head_dim_v != _DV:
+        raise ValueError(f"head_dim_v must be {_DV} (supported: head_dim {_D} = {_DV} latent + 64 rope), "
+                         f"got {head_dim_v}")
+    if k_cache.dim() == 4 and k_cache.shape[2] != 1:
+        raise ValueError(f"k_cache must hold one KV head: [num_blocks, page_block_size, 1, {_D}], "
+                         f"got {list(k_cache.shape)}")
+    if block_table is None:
+        raise ValueError("block_table is required ([b, max_blocks_per_seq] int32)")
+    b = q.shape[0]
+    _check_seqlens(cache_seqlens)
+    if num_splits.dtype != torch.int32 or num_splits.shape != (b + 1,) or num_splits.device != q.device:
+        raise ValueError(f"num_splits must be int32 [b + 1] = [{b + 1}] on {q.device} (from get_mla_metadata), "
+                         f"got {num_splits.dtype} {list(num_splits.shape)} on {num_splits.device}")
+    if (tile_scheduler_metadata.dtype != torch.int32 or tile_scheduler_metadata.dim() != 1
+            or tile_scheduler_metadata.device != q.device):
+        raise ValueError("tile_scheduler_metadata must be the int32 tensor get_mla_metadata returned, got "
+                         f"{tile_scheduler_metadata.dtype} {list(tile_scheduler_metadata.shape)} on "
+                         f"{tile_scheduler_metadata.device}")
+    if softmax_scale is None:
+        softmax_scale = _D ** -0.5
+    return torch.ops.mla_decode.attention(q, k_cache, cache_seqlens, block_table, None, float(softmax_scale),
+                                          bool(causal))
+
+
+def _check_seqlens(cache_seqlens):
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1:
+        raise TypeError("cache_seqlens must be an int32 tensor [b], got "
+                        f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens))} "
+                        f"{list(getattr(cache_seqlens, 'shape', []))}")
+    if not cache_seqlens.is_cuda:
+        raise ValueError(f"cache_seqlens must be on the GPU, got {cache_seqlens.device}")

@@ -1,0 +1,119 @@
+"""The FlashMLA-compatible serving API (mla_decode.serving) on the GPU, in the
+manner of FlashMLA's own test: variable lengths (mean 4096, spread 2048),
+paged cache in a random block order, NaN in every unused block, every tail
+and every unused block-table slot (invalid ids), out and lse against an fp32
+evaluation."""
+
+import random
+
+import pytest
+import torch
+
+import mla_decode
+from mla_decode import attention_reference, flash_mla_with_kvcache, get_mla_metadata
+
+from conftest import needs_gpu
+from test_gpu_attention import check, make_paged
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+
+
+def varlen(b, mean, s_q, seed):
+    rnd = random.Random(seed)
+    return [max(int(rnd.normalvariate(mean, mean / 2)), s_q) for _ in range(b)]
+
+
+def run_case(lens, block_size, h_q, s_q, causal, seed):
+    q, pages, table, seqlens = make_paged(lens, block_size, h_q=h_q, s_q=s_q, seed=seed)
+    k_cache = pages.unsqueeze(2)  # [num_blocks, block_size, 1, 576], FlashMLA's layout
+    meta, splits = get_mla_metadata(seqlens, s_q * h_q, 1)
+    out, lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits, causal=causal)
+    ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, causal=causal,
+                                 dtype=torch.float32)
+    check(out, lse, ro.double(), rl.double(), f"b={len(lens)} block={block_size} h_q={h_q} s_q={s_q}")
+    return out, lse, splits
+
+
+@pytest.mark.parametrize("block_size,h_q,s_q", [
+    (64, 128, 1), (64, 128, 2), (16, 128, 1), (1, 128, 1), (32, 64, 2), (128, 16, 1), (64, 32, 4), (16, 24, 3),
+])
+def test_serving_varlen(block_size, h_q, s_q):
+    lens = varlen(16, 4096, s_q, seed=block_size * 7 + h_q + s_q)
+    run_case(lens, block_size, h_q, s_q, causal=s_q > 1, seed=block_size + h_q)
+
+
+def test_serving_flashmla_batch():
+    # FlashMLA's published setting: b=128, h_q=128, s_q=1, block 64, mean 4096
+    lens = varlen(128, 4096, 1, seed=1)
+    out, lse, splits = run_case(lens, 64, 128, 1, causal=False, seed=2)
+    assert splits.shape == (129,) and splits[0].item() == 0
+    assert bool((splits[1:] >= splits[:-1] + 1).all()), "every sequence has at least one split"
+
+
+def test_serving_empty_sequence_gives_zero_and_neg_inf():
+    lens = [0, 300, 0, 1]
+    out, lse, _ = run_case(lens, 16, 64, 2, causal=True, seed=5)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+
+
+def test_serving_graph_capture_replays_new_lengths_and_tables():
+    torch.manual_seed(0)
+    block_size, h_q, s_q, b = 16, 64, 2, 4
+    lens0 = [700, 33, 1000, 1]
+    q, pages, table, seqlens = make_paged(lens0, block_size, h_q=h_q, s_q=s_q, seed=11)
+    # room for the later cases: a table wide enough for 1200 rows, pages for all
+    extra = 1200 // block_size + 1
+    table = torch.cat([table, torch.full((b, extra), 2 ** 30, dtype=torch.int32, device="cuda")], 1)
+    pages = torch.cat([pages, torch.full((b * extra, block_size, 576), float("nan"), dtype=pages.dtype,
+                                         device="cuda")])
+    k_cache = pages.unsqueeze(2)
+    meta, splits = get_mla_metadata(seqlens, s_q * h_q, 1)  # outside the graph
+    flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits, causal=True)  # warm-up
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits, causal=True)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for lens in ([700, 33, 1000, 1], [1200, 0, 5, 640], [3, 1199, 64, 65]):
+        # new lengths, a fresh random block assignment, new data: all in place
+        pages.fill_(float("nan"))
+        table.fill_(2 ** 30)
+        ids = torch.randperm(pages.shape[0], device="cuda", generator=gen).to(torch.int32)
+        nxt = 0
+        for i, L in enumerate(lens):
+            for j in range((L + block_size - 1) // block_size):
+                table[i, j] = ids[nxt]
+                n = min(block_size, L - j * block_size)
+                pages[ids[nxt], :n] = torch.randn(n, 576, device="cuda", generator=gen).to(pages.dtype)
+                nxt += 1
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, causal=True,
+                                     dtype=torch.float32)
+        check(out, lse, ro.double(), rl.double(), f"graph replay, lengths {lens}")
+
+
+def test_serving_bad_inputs():
+    q, pages, table, seqlens = make_paged([10, 20], 16, h_q=16, seed=3)
+    k_cache = pages.unsqueeze(2)
+    meta, splits = get_mla_metadata(seqlens, 16, 1)
+    with pytest.raises(TypeError, match="fp16 is not implemented yet"):
+        flash_mla_with_kvcache(q.half(), k_cache.half(), table, seqlens, 512, meta, splits)
+    with pytest.raises(ValueError, match=r"head_dim_v must be 512 \(supported: head_dim 576"):
+        flash_mla_with_kvcache(q, k_cache, table, seqlens, 256, meta, splits)
+    with pytest.raises(ValueError, match="num_heads_k must be 1"):
+        get_mla_metadata(seqlens, 16, 2)
+    with pytest.raises(ValueError, match="num_splits must be int32"):
+        flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits[:-1])
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 tensor"):
+        get_mla_metadata(seqlens.long(), 16, 1)
+    with pytest.raises(ValueError, match="one KV head"):
+        flash_mla_with_kvcache(q, k_cache.expand(-1, -1, 2, -1), table, seqlens, 512, meta, splits)
+
+
+def test_serving_is_exported():
+    assert mla_decode.flash_mla_with_kvcache is flash_mla_with_kvcache
+    assert mla_decode.get_mla_metadata is get_mla_metadata
