@@ -49,10 +49,11 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json")
     args = ap.parse_args()
-    dist.init_process_group("nccl")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dev = torch.device("cuda", torch.cuda.current_device())
     if rank == 0:
         print(f"# bench_tp | TP={world} | {mla_decode.backend(dev)} | bs={args.bs} | NCCL_NVLS_ENABLE="
               f"{os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
@@ -68,15 +69,20 @@ def main():
         dist.barrier()
         tp = TPDecoder(config, rank, world, backend="kernels")
         tn = wall(lambda: tp(x, kv), args.iters, aligned=True)
+        tpart = wall(lambda: tp.partial(x, kv), args.iters, aligned=True)  # this rank's share, no all-reduce
+        tdev = time_events(lambda: tp(x, kv), iters=args.iters) * 1e3     # device time of a whole step
         y = torch.zeros(args.bs, config.dim, device=dev)
         ar = time_events(lambda: dist.all_reduce(y), iters=args.iters) * 1e3
-        tns = [None] * world
-        dist.all_gather_object(tns, tn)
+        got = [None] * world
+        dist.all_gather_object(got, (tn, tpart, tdev))
         if rank == 0:
-            row = dict(prefill=prefill, tp=world, tp1_us=t1, tpn_us=max(tns), ratio=max(tns) / t1, allreduce_us=ar)
+            tn = max(g[0] for g in got)
+            row = dict(prefill=prefill, tp=world, tp1_us=t1, tpn_us=tn, ratio=tn / t1, allreduce_us=ar,
+                       partial_us=max(g[1] for g in got), step_events_us=max(g[2] for g in got))
             rows.append(row)
-            print(f"  prefill {prefill:>5}: TP=1 {t1:8.1f} us | TP={world} {max(tns):8.1f} us (slowest rank) "
-                  f"= {row['ratio']:.2f}x | all-reduce of y {ar:6.1f} us", flush=True)
+            print(f"  prefill {prefill:>5}: TP=1 {t1:8.1f} us | TP={world} {tn:8.1f} us (slowest rank) "
+                  f"= {row['ratio']:.2f}x | rank share without all-reduce {row['partial_us']:7.1f} us | "
+                  f"step by events {row['step_events_us']:7.1f} us | all-reduce of y alone {ar:6.1f} us", flush=True)
         del config, x, kv, tp
         torch.cuda.empty_cache()
     if rank == 0 and args.json:
