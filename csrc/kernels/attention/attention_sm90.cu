@@ -142,6 +142,20 @@ MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1,
 // A row that has seen nothing yet (from == -inf) holds zeros: factor 0.
 MLA_DEVICE float rescale(float from, float to) { return from == neg_inf() ? 0.f : fast_exp2(from - to); }
 
+// One online-softmax step of a warpgroup: rows moved to maxima n0 / n1; P
+// into s (fp32, kept) and pa (bf16), row sums and O rescaled to the new max.
+MLA_DEVICE void softmax_step(float (&s)[32], uint32_t (&pa)[16], float (&o)[128], float n0, float n1, float& m_a,
+                             float& m_b, float& l_a, float& l_b) {
+  const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
+  float sum0, sum1;
+  exp_pack(s, pa, n0, n1, sum0, sum1);
+  l_a = l_a * c0 + sum0;
+  l_b = l_b * c1 + sum1;
+  m_a = n0;
+  m_b = n1;
+  scale_rows(o, c0, c1);
+}
+
 // P (bf16 pairs in the S accumulator layout) -> 64 x 64 K-major swizzled
 // block at `blk`. Row r0 / r1 of this thread; conflict-free (rows differ in
 // their swizzle phase across the 8 g's).
@@ -346,20 +360,14 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;
       // softmax of S0 against the running max
-      float mx0, mx1, sum0, sum1;
+      float mx0, mx1;
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       const float n0 = fmaxf(m_a, mx0), n1 = fmaxf(m_b, mx1);
       if (t4 == 0) {
         s_m[r0] = n0;
         s_m[r1] = n1;
       }
-      const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
-      exp_pack(s, pa, n0, n1, sum0, sum1);
-      l_a = l_a * c0 + sum0;
-      l_b = l_b * c1 + sum1;
-      m_a = n0;
-      m_b = n1;
-      scale_rows(o, c0, c1);
+      softmax_step(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       wg::named_arrive(kBarM0, 256);
       // O_L += P0 V0L
       wg::fence();
@@ -402,7 +410,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
   } else {
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;
-      float mx0, mx1, sum0, sum1;
+      float mx0, mx1;
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
       const float n0 = fmaxf(s_m[r0], mx0), n1 = fmaxf(s_m[r1], mx1);
@@ -411,13 +419,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
         s_m[r1] = n1;
       }
       wg::named_arrive(kBarM1, 256);
-      const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
-      exp_pack(s, pa, n0, n1, sum0, sum1);
-      l_a = l_a * c0 + sum0;
-      l_b = l_b * c1 + sum1;
-      m_a = n0;
-      m_b = n1;
-      scale_rows(o, c0, c1);
+      softmax_step(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       store_p(p_mine, pa, r0, r1, t4);
       wg::fence_proxy_async();
       wg::named_arrive(kBarP1, 256);
