@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
-from common import device_name, time_events  # noqa: E402
+from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
 
 FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # FlashMLA's kernel, measured on an H200 by this project (README, Contract)
 
@@ -30,8 +30,9 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json")
     args = ap.parse_args()
-    if not mla_decode.kernels_usable("cuda"):
-        print(f"bench_attention needs the GPU kernels: {mla_decode.backend()}")
+    why = kernels_or_reason("bench_attention")
+    if why:
+        print(why)
         return 1
     name = device_name()
     peaks = roofline.peaks_for(name)
@@ -60,11 +61,7 @@ def main():
             us = ms * 1e3
             fl = roofline.attention_flops(args.bs, L, args.heads)
             by = roofline.attention_bytes(args.bs, L, args.heads)
-            row = dict(L=L, rope=rope, us=us, tflops=fl / us / 1e6, gbs=by / us / 1e3)
-            if peaks:
-                floor = 1e6 * max(by / peaks[0], fl / peaks[1])
-                row["floor_us"] = floor
-                row["pct_floor"] = 100 * floor / us
+            row = dict(L=L, rope=rope, **rates(us, fl, by, peaks))
             if "H200" in name and L in FLASHMLA_H200_US:
                 row["vs_flashmla"] = FLASHMLA_H200_US[L] / us
             rows.append(row)

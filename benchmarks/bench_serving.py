@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
-from common import device_name, time_events  # noqa: E402
+from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
 
 
 def paged_cache(lens, block_size, gen):
@@ -44,8 +44,9 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args()
-    if not mla_decode.kernels_usable("cuda"):
-        print(f"bench_serving needs the GPU kernels: {mla_decode.backend()}")
+    why = kernels_or_reason("bench_serving")
+    if why:
+        print(why)
         return 1
     name = device_name()
     peaks = roofline.peaks_for(name)
@@ -74,12 +75,7 @@ def main():
                     us = time_events(call, iters=args.iters) * 1e3
                     fl = 2 * sum(lens) * s_q * h_q * (576 + 512)
                     by = 2 * sum(lens) * 576 + 2 * args.b * s_q * h_q * (576 + 512) + 4 * args.b * s_q * h_q
-                    row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, us=us, tflops=fl / us / 1e6,
-                               gbs=by / us / 1e3)
-                    if peaks:
-                        floor = 1e6 * max(by / peaks[0], fl / peaks[1])
-                        row["floor_us"] = floor
-                        row["pct_floor"] = 100 * floor / us
+                    row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, **rates(us, fl, by, peaks))
                     rows.append(row)
                     print(f"  mean={mean:>5} s_q={s_q} h_q={h_q:>3} block={block_size:>2}: {us:8.1f} us "
                           f"{row['tflops']:6.1f} TFLOP/s {row['gbs']:6.0f} GB/s "

@@ -10,6 +10,27 @@ def device_name():
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def kernels_or_reason(tool):
+    """None when the GPU kernels can run here, else the line to print (the
+    benchmark then exits 1: it measures the kernels, not the fallback)."""
+    import mla_decode
+
+    if mla_decode.kernels_usable("cuda"):
+        return None
+    return f"{tool} needs the GPU kernels: {mla_decode.backend()}"
+
+
+def rates(us, flops, nbytes, peaks):
+    """A result row: us, TFLOP/s, GB/s and, with the device's (bandwidth,
+    flops) peaks, the floor max(bytes/BW, FLOPs/peak) and % of it."""
+    row = dict(us=us, tflops=flops / us / 1e6, gbs=nbytes / us / 1e3)
+    if peaks:
+        floor = 1e6 * max(nbytes / peaks[0], flops / peaks[1])
+        row["floor_us"] = floor
+        row["pct_floor"] = 100 * floor / us
+    return row
+
+
 def time_events(fn, iters=50, warmup=5):
     """Median milliseconds of fn() by device events, one event pair per call."""
     for _ in range(warmup):

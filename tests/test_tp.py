@@ -40,7 +40,7 @@ def _worker(rank, world, port, dist_backend, device_kind, cases, steps, decoder_
             kv1 = kv.clone()
             single = mla_decode.MLADecoder(backend=decoder_backend)
             tp = TPDecoder(config, rank, world, backend=decoder_backend)
-            g = torch.Generator(device=device).manual_seed(rank * 0 + 7)  # same stream on every rank
+            g = torch.Generator(device=device).manual_seed(7)  # same stream on every rank
             for step in range(steps):
                 if step:
                     x = torch.randn(x.shape, generator=g, device=device).to(torch.bfloat16)
