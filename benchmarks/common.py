@@ -84,3 +84,39 @@ def time_graph(fn, iters=50):
     with torch.cuda.graph(g):
         fn()
     return time_events(g.replay, iters=iters)
+
+
+def time_graph_cold(fn, iters=50, flush_mib=512):
+    """Median milliseconds of a CUDA-graph replay of fn() with the L2 cache
+    flushed before each replay (a 512 MiB buffer written in between, outside
+    the timed events): device time as when the data is streamed from memory,
+    as it is in a full decode step."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    flush = torch.empty(flush_mib << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for i in range(iters + 3):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(mib=1024, iters=20):
+    """The device's measured copy bandwidth: bytes read + written by a
+    device-to-device copy of `mib` MiB, per second (median), in GB/s."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_events(lambda: dst.copy_(src), iters=iters)
+    return 2 * src.numel() / ms / 1e6

@@ -17,6 +17,11 @@ else:
         _IMPORT_ERROR = f"mla_decode._C failed to import: {e}"
 
 
+def module():
+    """The compiled extension module (None when not built)."""
+    return _C
+
+
 def kernels_built() -> bool:
     """True when the C++/GPU extension was built and imports."""
     return _C is not None

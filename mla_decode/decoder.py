@@ -12,6 +12,7 @@ The backend of every call is recorded in ``MLADecoder.last_backend``;
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import warnings
@@ -22,7 +23,9 @@ import torch
 
 from ._ext import backend as _backend_text
 from ._ext import kernels_usable
+from ._ext import module as _ext_module
 from .attention import mla_attention, rope_table
+from . import projections
 from .reference import rope_rotate
 
 __all__ = ["MLADecoder", "MLAInputError", "custom_kernel", "Dims"]
@@ -64,9 +67,13 @@ def _check_tensor(name, t, shape, device, shape_text):
         raise MLAInputError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
 
 
-def validate(config, x, kv_cache) -> Dims:
+def validate(config, x, kv_cache, weights_known=None) -> Dims:
     """Check a call's inputs (device, dtype, layout, shape, capacity) and
-    return its dims. Raises MLAInputError/TypeError naming what was expected."""
+    return its dims. Raises MLAInputError/TypeError naming what was expected.
+    ``weights_known(config, dims)``, when given and true, vouches for the
+    five weights (MLADecoder passes its _WeightSet.matches, which compares
+    identity, version, address, shape, strides, dtype and device with a set
+    that passed these checks), so they are not checked again."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     try:
@@ -86,25 +93,14 @@ def validate(config, x, kv_cache) -> Dims:
     if not x.is_contiguous():
         raise MLAInputError(f"x must be contiguous, got strides {x.stride()}")
     bs = x.shape[0]
-    want = {
-        "Q_proj_down_weight": ((q_lora, dim), "[q_lora_rank, dim]"),
-        "KV_proj_down_weight": ((kv_lora + rope, dim), "[kv_lora_rank + rope, dim]"),
-        "Q_proj_up_weight": ((H * (nope + rope), q_lora), "[n_heads * (nope + rope), q_lora_rank]"),
-        "KV_proj_up_weight": ((H * (nope + v), kv_lora), "[n_heads * (nope + v), kv_lora_rank]"),
-        "wo_weight": ((dim, H * v), "[dim, n_heads * v]"),
-    }
-    for name, (shape, text) in want.items():
-        if not hasattr(config, name):
-            raise MLAInputError(f"config is missing {name}")
-        t = getattr(config, name)
-        _check_tensor(f"config.{name}", t, shape, dev, text)
-        if not t.is_contiguous():
-            raise MLAInputError(f"config.{name} must be contiguous, got strides {t.stride()}")
     data = getattr(kv_cache, "data", None)
     if not isinstance(data, torch.Tensor):
         raise TypeError("kv_cache.data must be a torch.Tensor")
     if data.dim() != 3:
         raise MLAInputError(f"kv_cache.data must have shape [bs, max_seq_len, {kv_lora + rope}], got {_shape(data)}")
+    dims = Dims(bs, dim, H, q_lora, kv_lora, nope, rope, v, data.shape[1])
+    if weights_known is None or not weights_known(config, dims, dev):
+        _check_weights(config, dims, dev)
     _check_tensor("kv_cache.data", data, (bs, data.shape[1], kv_lora + rope), dev,
                   f"[bs={bs}, max_seq_len, kv_lora_rank + rope = {kv_lora + rope}]")
     seq_len = kv_cache.seq_len
@@ -113,32 +109,100 @@ def validate(config, x, kv_cache) -> Dims:
     if seq_len >= data.shape[1]:
         raise MLAInputError(f"kv_cache is full: seq_len {seq_len} == max_seq_len {data.shape[1]}; "
                             "nothing was written")
-    return Dims(bs, dim, H, q_lora, kv_lora, nope, rope, v, data.shape[1])
+    return dims
+
+
+def _weight_shapes(d: Dims):
+    return {
+        "Q_proj_down_weight": ((d.q_lora, d.dim), "[q_lora_rank, dim]"),
+        "KV_proj_down_weight": ((d.kv_lora + d.rope, d.dim), "[kv_lora_rank + rope, dim]"),
+        "Q_proj_up_weight": ((d.heads * (d.nope + d.rope), d.q_lora), "[n_heads * (nope + rope), q_lora_rank]"),
+        "KV_proj_up_weight": ((d.heads * (d.nope + d.v), d.kv_lora), "[n_heads * (nope + v), kv_lora_rank]"),
+        "wo_weight": ((d.dim, d.heads * d.v), "[dim, n_heads * v]"),
+    }
+
+
+def _check_weights(config, dims: Dims, dev):
+    for name, (shape, text) in _weight_shapes(dims).items():
+        if not hasattr(config, name):
+            raise MLAInputError(f"config is missing {name}")
+        t = getattr(config, name)
+        _check_tensor(f"config.{name}", t, shape, dev, text)
+        if not t.is_contiguous():
+            raise MLAInputError(f"config.{name} must be contiguous, got strides {t.stride()}")
 
 
 class _WeightSet:
     """What the decoder derives from one set of weights. It is served again
     only for the very same tensor objects at the same version counter (an
-    in-place change bumps the counter), so new or modified weights are never
-    served stale; weak references keep it from holding the weights alive."""
+    in-place change bumps the counter) and the same address, shape, strides,
+    dtype and device (``w.data = other`` changes those without a version
+    bump), so new or modified weights are never served stale, and a match
+    vouches that the weights pass validate()'s checks. Weak references
+    identify the weights; the derived views keep KV_proj_up's storage alive."""
 
     def __init__(self, config, dims: Dims):
-        self.refs = tuple(weakref.ref(getattr(config, n)) for n in _WEIGHTS)
-        self.versions = tuple(getattr(config, n)._version for n in _WEIGHTS)
-        self.dims = dims
+        ws = [getattr(config, n) for n in _WEIGHTS]
+        self.refs = tuple(weakref.ref(w) for w in ws)
+        self.state = tuple(_weight_state(w) for w in ws)
+        self.wdims = _weight_dims(dims)
         H, nope, v, r = dims.heads, dims.nope, dims.v, dims.kv_lora
         wkv = config.KV_proj_up_weight.view(H, nope + v, r)
         self.w_uk = wkv[:, :nope, :]                 # [H, nope, r]: q_nope -> latent
         self.w_uv_t = wkv[:, nope:, :].transpose(1, 2)  # [H, r, v]: latent -> value
+        # the two down-projections as one product: a copy made once per weight version
+        self.w_down = torch.cat([config.Q_proj_down_weight, config.KV_proj_down_weight])
 
-    def matches(self, config, dims: Dims) -> bool:
-        if dims != self.dims:
+    def matches(self, config, dims: Dims, device=None) -> bool:
+        if _weight_dims(dims) != self.wdims:
             return False
-        for ref, ver, name in zip(self.refs, self.versions, _WEIGHTS):
-            w = getattr(config, name)
-            if ref() is not w or w._version != ver:
+        for ref, st, name in zip(self.refs, self.state, _WEIGHTS):
+            w = getattr(config, name, None)
+            if ref() is not w or _weight_state(w) != st:
                 return False
-        return True
+        return device is None or self.state[0][5] == (device.index if device.type == "cuda" else -1)
+
+
+def _weight_dims(d: Dims):
+    return (d.dim, d.heads, d.q_lora, d.kv_lora, d.nope, d.rope, d.v)
+
+
+def _weight_state(w):
+    return (w._version, w.data_ptr(), w.shape, w.stride(), w.dtype, w.get_device())
+
+
+_MAX_GRAPHS = 4
+
+
+class _GraphStep:
+    """One captured step: static x, seqlens and y buffers around a graph of
+    MLADecoder._core. A call copies x in, replays, and returns a copy of y
+    (the caller owns it; the next replay cannot touch it). The graph's last
+    node advances seqlens by one, so consecutive steps on one cache need no
+    host write of the length; any other length is written before the replay.
+    Calls on one cache must be ordered on one stream, as eager calls must."""
+
+    def __init__(self, run, ws, dims, device):
+        self.ws = ws  # held so that id(ws) in the key stays unique while this lives
+        self.x = torch.zeros(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
+        self.seqlens = torch.ones(dims.bs, dtype=torch.int32, device=device)
+        self.y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
+        self.next_len = None  # what seqlens holds after the last replay
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            run(self.x, self.seqlens, self.y)
+            self.seqlens.add_(1)
+
+    def __call__(self, x2, L):
+        copy = _ext_module().copy_async
+        copy(self.x, x2)
+        if L != self.next_len:
+            self.seqlens.fill_(L)
+        self.graph.replay()
+        self.next_len = L + 1
+        y = torch.empty_like(self.y)
+        copy(y, self.y)
+        return y
 
 
 class MLADecoder:
@@ -151,15 +215,21 @@ class MLADecoder:
     warning when a GPU call falls back), "kernels" (raise if not usable) or
     "torch"."""
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", graphs: bool = True):
         if backend not in ("auto", "kernels", "torch"):
             raise ValueError(f"backend must be 'auto', 'kernels' or 'torch', got {backend!r}")
         self.backend = backend
+        self.graphs = bool(graphs)
         self.last_backend = None
+        self.last_graphed = False
         self._lock = threading.Lock()
+        self._graphs = collections.OrderedDict()
+        self._seen = set()
+        self._failed = set()
         self._weights = None
         self._rope = {}
         self._warned = set()
+        self._chosen = {}
 
     # -- derived state ------------------------------------------------------
     def _weight_set(self, config, dims):
@@ -168,6 +238,9 @@ class MLADecoder:
             if ws is None or not ws.matches(config, dims):
                 ws = _WeightSet(config, dims)
                 self._weights = ws
+                self._graphs.clear()  # they captured the old weights' addresses
+                self._seen.clear()
+                self._failed.clear()
             return ws
 
     def _rope_tables(self, device, rope, positions):
@@ -186,6 +259,13 @@ class MLADecoder:
             return t
 
     def _choose(self, dims, device):
+        key = (dims.kv_lora, dims.rope, device)
+        which = self._chosen.get(key)
+        if which is None:
+            which = self._chosen[key] = self._choose_uncached(dims, device)
+        return which
+
+    def _choose_uncached(self, dims, device):
         if self.backend == "torch":
             return "torch"
         supported = dims.kv_lora == 512 and dims.rope == 64
@@ -203,43 +283,93 @@ class MLADecoder:
 
     # -- the step -----------------------------------------------------------
     def __call__(self, config, x, kv_cache):
-        dims = validate(config, x, kv_cache)
-        ws = self._weight_set(config, dims)
+        known = self._weights
+        vouched = []
+
+        def vouch(config, dims, device):  # the weights of the last call, unchanged: no need to check them again
+            ok = known is not None and known.matches(config, dims, device)
+            vouched.append(ok)
+            return ok
+
+        dims = validate(config, x, kv_cache, vouch)
+        ws = known if vouched and vouched[0] else self._weight_set(config, dims)
         which = self._choose(dims, x.device)
-        table, cos2, sin2 = self._rope_tables(x.device, dims.rope, dims.max_seq_len)
-        bs, H = dims.bs, dims.heads
+        tables = self._rope_tables(x.device, dims.rope, dims.max_seq_len)
         data = kv_cache.data
         pos = kv_cache.seq_len  # the new row's position; L = pos + 1 after the append
-        x2 = x.view(bs, dims.dim)
-
-        # 1-2. down-projections, then the append (all checks are behind us)
-        q_lora = x2 @ config.Q_proj_down_weight.T
-        kv_new = x2 @ config.KV_proj_down_weight.T
-        data[:, pos] = kv_new
+        x2 = x.view(dims.bs, dims.dim)
+        step = None
+        if which == "kernels" and self.graphs and not torch.cuda.is_current_stream_capturing():
+            step = self._graph_step(config, ws, dims, data, tables)
+        if step is not None:
+            y = step(x2, pos + 1)
+            self.last_graphed = True
+        else:
+            seqlens = torch.full((dims.bs,), pos + 1, dtype=torch.int32, device=x.device)
+            y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=x.device)
+            self._core(which, config, ws, dims, x2, data, seqlens, y, tables, pos + 1)
+            self.last_graphed = False
         kv_cache.seq_len = pos + 1
-        L = pos + 1
+        self.last_backend = which
+        return y.view(dims.bs, 1, dims.dim), data
 
-        # 3-4. query, its RoPE at L-1, W_UK absorption
-        q = (q_lora @ config.Q_proj_up_weight.T).view(bs, H, dims.nope + dims.rope)
-        q_nope, q_pe = torch.split(q, [dims.nope, dims.rope], dim=-1)
-        q_pe = rope_rotate(q_pe, cos2[pos], sin2[pos])                     # [bs, H, rope]
-        q_abs = torch.bmm(q_nope.transpose(0, 1), ws.w_uk)                  # [H, bs, kv_lora]
+    def _core(self, which, config, ws, dims, x2, data, seqlens, y, tables, L=None):
+        """One step on the device, with every position-dependent value read
+        from ``seqlens`` (all = L) on the device, so that a captured graph of
+        it serves every position. Writes the new cache row and ``y``."""
+        table, cos2, sin2 = tables
+        bs, H, r = dims.bs, dims.heads, dims.kv_lora
+        # 1-2. down-projections (one product against the cached concatenation)
+        q_lora, kv_new = projections.down(x2, ws.w_down, dims.q_lora)
+        # 3-4. query: up-projection and W_UK absorption into the attention's layout,
+        # then RoPE at the new row's position and the append of the new row
+        qbuf = torch.empty(H, bs, r + dims.rope, dtype=torch.bfloat16, device=x2.device)
+        q_pe = projections.query(q_lora, config.Q_proj_up_weight, ws.w_uk, qbuf)
+        q_att = projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, data, kernel=(which == "kernels"))
         scale = 1.0 / math.sqrt(dims.nope + dims.rope)
-
         # 5. attention over the latent cache
         if which == "kernels":
-            q_att = torch.cat([q_abs.transpose(0, 1), q_pe], dim=-1).unsqueeze(1)  # [bs, 1, H, 576]
-            seqlens = torch.full((bs,), L, dtype=torch.int32, device=x.device)
             o_lat, _ = mla_attention(q_att, data, seqlens, scale, rope_cs=table)
-            o_lat = o_lat.view(bs, H, dims.kv_lora)
+            o_lat = o_lat.view(bs, H, r)
         else:
-            o_lat = _attention_torch(q_abs.transpose(0, 1), q_pe, data[:, :L], cos2[:L], sin2[:L], dims, scale)
-
+            o_lat = _attention_torch(q_att[:, 0, :, :r], q_att[:, 0, :, r:], data[:, :L], cos2[:L], sin2[:L],
+                                     dims, scale)
         # 6. W_UV per head, then wo
-        o = torch.bmm(o_lat.transpose(0, 1), ws.w_uv_t)                     # [H, bs, v]
-        y = o.transpose(0, 1).reshape(bs, H * dims.v) @ config.wo_weight.T
-        self.last_backend = which
-        return y.view(bs, 1, dims.dim), data
+        obuf = torch.empty(bs, H, dims.v, dtype=torch.bfloat16, device=x2.device)
+        projections.output(o_lat, ws.w_uv_t, config.wo_weight, obuf, y)
+
+    def _graph_step(self, config, ws, dims, data, tables):
+        """The captured step for this (weights, cache, bs), or None on the
+        first call of a key (that call runs eagerly and warms up the
+        libraries; the second captures). Captures are dropped when the
+        weights change (see _weight_set) and beyond _MAX_GRAPHS (oldest first)."""
+        key = (dims, data.data_ptr(), tuple(data.stride()), data.device, id(ws))
+        with self._lock:
+            entry = self._graphs.get(key)
+            if entry is not None:
+                self._graphs.move_to_end(key)
+                return entry
+            if key not in self._seen:
+                if len(self._seen) > 64:
+                    self._seen.clear()
+                self._seen.add(key)
+                return None
+            if key in self._failed:
+                return None
+        try:
+            entry = _GraphStep(lambda x2, seqlens, y: self._core("kernels", config, ws, dims, x2, data, seqlens, y,
+                                                                 tables), ws, dims, data.device)
+        except Exception as e:  # noqa: BLE001 - said once, loudly; the call then runs eagerly
+            with self._lock:
+                self._failed.add(key)
+            warnings.warn(f"mla_decode: CUDA/HIP graph capture of the step failed, running eagerly "
+                          f"(slower host path): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+            return None
+        with self._lock:
+            self._graphs[key] = entry
+            while len(self._graphs) > _MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        return entry
 
     def step(self, data):
         config, x, kv_cache = data

@@ -57,3 +57,65 @@ def test_full_cache_gpu_untouched():
 
 def test_backend_names_the_gpu():
     assert "kernels" in mla_decode.backend("cuda")
+
+
+def test_captured_step_matches_eager_bitwise():
+    """From the second call on one cache the step replays a captured graph;
+    it must give exactly the eager step's y and cache across positions (the
+    graph advances the length itself; a rewound length is written again), a
+    new x every call, an in-place weight change (version counter) and a
+    weight swapped through ``.data`` (new address, same version), and a
+    returned y must not change under later calls."""
+    config, x, kv = generate_input(batch_size=16, prefill=200, seed=21, device="cuda")
+    kv_e = kv.clone()
+    dg = mla_decode.MLADecoder(backend="kernels")
+    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    graphed, kept = [], []
+    for step in range(32):
+        x = torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16)
+        if step == 10:  # rewind both caches by three rows
+            kv.seq_len -= 3
+            kv_e.seq_len -= 3
+        if step == 20:
+            config.wo_weight.mul_(0.5)
+        if step == 26:
+            config.Q_proj_up_weight.data = config.Q_proj_up_weight.data * 0.5
+        yg, _ = dg(config, x, kv)
+        graphed.append(dg.last_graphed)
+        ye, _ = de(config, x, kv_e)
+        assert not de.last_graphed
+        assert torch.equal(yg, ye), f"step {step}: graphed y differs from eager"
+        assert torch.equal(kv.data, kv_e.data), f"step {step}: caches differ"
+        kept.append((yg, yg.clone()))
+    assert kv.seq_len == kv_e.seq_len == 229
+    assert graphed[0] is False and all(graphed[1:20]), graphed
+    # new weights: eager once, then captured again
+    assert graphed[20] is False and all(graphed[21:26]) and graphed[26] is False and all(graphed[27:]), graphed
+    for i, (y, y_copy) in enumerate(kept):
+        assert torch.equal(y, y_copy), f"y of step {i} changed under later calls"
+
+
+def test_captures_are_bounded_across_caches():
+    config, x, _ = generate_input(batch_size=2, prefill=0, max_seq_len=16, seed=8, device="cuda")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    caches = [generate_input(batch_size=2, prefill=3, max_seq_len=16, seed=9 + i, device="cuda")[2] for i in range(7)]
+    for kv in caches:
+        for _ in range(3):
+            y, _ = dec(config, x, kv)
+        assert dec.last_graphed
+    assert len(dec._graphs) <= 4
+
+
+def test_no_device_memory_growth_over_1000_calls():
+    config, x, kv = generate_input(batch_size=4, prefill=0, max_seq_len=1024 + 16, seed=12, device="cuda")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    for _ in range(10):
+        y, _ = dec(config, x, kv)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(1000):
+        y, _ = dec(config, x, kv)
+    torch.cuda.synchronize()
+    assert dec.last_graphed and kv.seq_len == 1010
+    assert torch.cuda.memory_allocated() == before

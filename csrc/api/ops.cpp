@@ -302,6 +302,20 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   return {out, lse};
 }
 
+void copy_async(at::Tensor& dst, const at::Tensor& src) {
+  if (!dst.is_cuda()) fail_value("dst must be on a GPU, got " + dst.device().str());
+  check_device(src, "src", dst.device());
+  check_contiguous(dst, "dst");
+  check_contiguous(src, "src");
+  if (dst.scalar_type() != src.scalar_type() || dst.numel() != src.numel())
+    fail_value("copy_async: dst and src must have the same dtype and size, got " + shape_str(dst) + " and " +
+               shape_str(src));
+  c10::cuda::CUDAGuard guard(dst.device());
+  check_launch(memcpy_d2d_async(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.nbytes()),
+                                at::cuda::getCurrentCUDAStream().stream()),
+               "copy_async");
+}
+
 std::vector<int64_t> attention_info(int64_t device) {
   const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device));
   return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,

@@ -23,6 +23,16 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
 
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
 
+// The query's RoPE and the cache append of a decode step in one launch
+// (csrc/kernels/projections/rope_append.h); implemented in ops_projections.cpp.
+void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Tensor& seqlens,
+                 const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache);
+
+// dst <- src (same dtype and size, both contiguous, one GPU), one
+// cudaMemcpyAsync/hipMemcpyAsync on the current stream: the captured decode
+// step's input and output copies without a dispatcher round trip.
+void copy_async(at::Tensor& dst, const at::Tensor& src);
+
 // [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
 //  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`.
 std::vector<int64_t> attention_info(int64_t device);

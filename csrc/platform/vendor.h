@@ -42,6 +42,17 @@ inline const char* last_launch_error() {
 #endif
 }
 
+// Device-to-device copy of n bytes, ordered on `stream`. Error string or nullptr.
+inline const char* memcpy_d2d_async(void* dst, const void* src, size_t n, stream_t stream) {
+#if MLA_AMD
+  hipError_t e = hipMemcpyAsync(dst, src, n, hipMemcpyDeviceToDevice, stream);
+  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+#else
+  cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
 // Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA).
 // Returns an error string or nullptr.
 template <typename Kernel>

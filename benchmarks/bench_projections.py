@@ -1,0 +1,93 @@
+"""The projection stages of the decode step at bs = 1, 32, 128 (task dims).
+
+    python benchmarks/bench_projections.py [--bs 1 32 128] [--json FILE]
+
+Each stage (mla_decode.projections: down = x [W_qd; W_kvd]^T, query =
+up-projection + W_UK absorption + the RoPE/cache-append kernel, output =
+W_UV + wo) is captured in a
+graph and replayed with the L2 cache flushed before each replay (device
+events, median): the weights stream from memory as in a full step. GB/s is
+over the weight bytes the stage must read; % is of the device's measured
+copy bandwidth (a device-to-device copy, bytes read + written). Also shown:
+the down stage as two GEMMs on the weights where they lie, and the wo GEMM
+alone. Asserts nothing.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mla_decode import projections  # noqa: E402
+from mla_decode.decoder import Dims  # noqa: E402
+from mla_decode.attention import rope_table  # noqa: E402
+from mla_decode.reference import generate_input  # noqa: E402
+from common import copy_bandwidth_gbs, device_name, time_graph_cold  # noqa: E402
+
+
+def stages(bs):
+    config, x, kv = generate_input(batch_size=bs, prefill=5, max_seq_len=16, seed=bs, device="cuda")
+    H, nope, rope, v, r = (config.n_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
+                           config.kv_lora_rank)
+    dims = Dims(bs, config.dim, H, config.q_lora_rank, r, nope, rope, v, 16)
+    wkv = config.KV_proj_up_weight.view(H, nope + v, r)
+    x2 = x.view(bs, -1)
+    w_down = torch.cat([config.Q_proj_down_weight, config.KV_proj_down_weight])
+    q_lora, kv_new = projections.down(x2, w_down, config.q_lora_rank)
+    seqlens = torch.full((bs,), 6, dtype=torch.int32, device="cuda")
+    tables = (rope_table(16, rope, "cuda"), None, None)
+    qbuf = torch.empty(H, bs, r + rope, dtype=torch.bfloat16, device="cuda")
+    o_lat = torch.randn(bs, H, r, device="cuda").to(torch.bfloat16)
+    obuf = torch.empty(bs, H, v, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty(bs, config.dim, dtype=torch.bfloat16, device="cuda")
+    nb = projections.stage_weight_bytes(dims)
+
+    def query():
+        q_pe = projections.query(q_lora, config.Q_proj_up_weight, wkv[:, :nope], qbuf)
+        projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, kv.data)
+
+    return [
+        ("down (one GEMM, cached concatenation)", nb["down"], lambda: projections.down(x2, w_down, config.q_lora_rank)),
+        ("down as two GEMMs (weights where they lie)", nb["down"],
+         lambda: (torch.mm(x2, config.Q_proj_down_weight.t()), torch.mm(x2, config.KV_proj_down_weight.t()))),
+        ("query (+ RoPE and cache append kernel)", nb["query"], query),
+        ("output", nb["output"], lambda: projections.output(o_lat, wkv[:, nope:].transpose(1, 2),
+                                                            config.wo_weight, obuf, y)),
+        ("output: wo GEMM alone", 2 * config.wo_weight.numel(),
+         lambda: torch.mm(obuf.view(bs, -1), config.wo_weight.t(), out=y)),
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bs", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_projections needs a GPU (it times the vendor BLAS stages on the device)")
+        return 1
+    copy = copy_bandwidth_gbs()
+    print(f"# bench_projections | device: {device_name()} | measured copy bandwidth {copy:.0f} GB/s "
+          "(read + write) | vendor BLAS via PyTorch")
+    print(f"{'bs':>4} {'stage':<44} {'weight MB':>9} {'us':>8} {'GB/s':>7} {'% copy BW':>9}")
+    rows = []
+    for bs in args.bs:
+        for name, nbytes, fn in stages(bs):
+            us = 1e3 * time_graph_cold(fn, iters=args.iters)
+            gbs = nbytes / us / 1e3
+            rows.append(dict(bs=bs, stage=name, weight_bytes=nbytes, us=us, gbs=gbs, pct_copy=100 * gbs / copy))
+            print(f"{bs:>4} {name:<44} {nbytes / 1e6:>9.1f} {us:>8.1f} {gbs:>7.0f} {100 * gbs / copy:>9.1f}",
+                  flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device_name(), copy_gbs=copy, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+// See rope_append.h. Memory-bound and tiny (bs * heads * rope * 4 +
+// bs * width * 4 bytes): grid (bs, ceil(heads * rope / 2 / 256)), one
+// rotation pair per thread, so that even bs = 1 spreads over many blocks
+// (one block per sequence measured 10.6 us at bs = 128, H = 128).
+#include "rope_append.h"
+
+namespace mla {
+namespace {
+
+constexpr int kThreads = 256;
+
+MLA_GLOBAL void __launch_bounds__(kThreads) rope_append_kernel(RopeAppendParams p) {
+  const int b = block_x();
+  const int pos = p.seqlens[b] - 1;
+  if (pos < 0 || pos >= p.max_len || pos >= p.positions) return;
+  const int half = p.rope / 2;
+  const bf16_t* cs = p.rope_cs + static_cast<int64_t>(pos) * p.rope;
+  const bf16_t* q = p.q_pe + b * p.q_b_stride;
+  bf16_t* o = p.q_out + b * p.o_b_stride;
+  const int i = block_y() * kThreads + thread_x();
+  if (i < p.heads * half) {
+    const int h = i / half, j = i - h * half;
+    const float x1 = bf16_to_float(q[h * p.q_h_stride + j]);
+    const float x2 = bf16_to_float(q[h * p.q_h_stride + j + half]);
+    const float c = bf16_to_float(cs[j]), s = bf16_to_float(cs[half + j]);
+    o[h * p.o_h_stride + j] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+    o[h * p.o_h_stride + j + half] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+  }
+  if (block_y() != 0) return;
+  const bf16_t* src = p.kv_new + b * p.kv_b_stride;
+  bf16_t* dst = p.cache + b * p.c_b_stride + static_cast<int64_t>(pos) * p.c_row_stride;
+  for (int k = thread_x(); k < p.width; k += kThreads) dst[k] = src[k];
+}
+
+}  // namespace
+
+const char* launch_rope_append(const RopeAppendParams& p, stream_t stream) {
+  if (p.bs <= 0 || p.heads <= 0 || p.width <= 0 || p.rope <= 0 || p.rope % 2)
+    return "launch_rope_append: bad parameters (bs, heads, width > 0; rope even and > 0)";
+  const int pairs = p.heads * (p.rope / 2);
+  dim3 grid(p.bs, (pairs + kThreads - 1) / kThreads);
+  if (grid.y > 65535) return "launch_rope_append: heads * rope / 2 too large";
+  rope_append_kernel<<<grid, kThreads, 0, stream>>>(p);
+  return last_launch_error();
+}
+
+}  // namespace mla
