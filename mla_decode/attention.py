@@ -26,7 +26,7 @@ def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tens
 
 
 def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
-                  out=None, lse=None):
+                  out=None, lse=None, kpe=None):
     """Split-KV absorbed attention on the GPU kernels.
 
     q: [bs, s_q, h_q, 576] bf16; kv: [bs, max_seq_len, 576] bf16 (the task's
@@ -34,6 +34,9 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     [num_blocks, block_size, (1,) 576]; seqlens: [bs] int32 on the device;
     rope_cs: None (keys used as stored) or ``rope_table(...)`` (the last 64
     key columns rotated at their position on the fly, the task's RoPE).
+    kpe: None, or [bs, >= max_seq_len, 64] bf16 rows that replace the key's
+    last 64 columns (not with block_table): MLADecoder passes its rotated
+    copy of the cache's k_pe, so no rotation runs in the kernel.
     Returns (out [bs, s_q, h_q, 512] bf16, lse [bs, h_q, s_q] fp32, natural
     log). A sequence of length 0 gives out = 0 and lse = -inf.
     ``out``/``lse`` may be passed in (destination passing)."""
@@ -41,9 +44,10 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     if (out is None) != (lse is None):
         raise ValueError("pass both out and lse, or neither")
     if out is None:
-        return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal))
+        return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
+                                              kpe)
     torch.ops.mla_decode.attention_out(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                       out, lse)
+                                       out, lse, kpe)
     return out, lse
 
 
@@ -105,7 +109,7 @@ def kv_rows_bf16(kv, block_table, b, L):
 
 if kernels_built():
     @torch.library.register_fake("mla_decode::attention")
-    def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal):
+    def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None):
         bs, s_q, h_q, _ = q.shape
         return q.new_empty(bs, s_q, h_q, DV), q.new_empty(bs, h_q, s_q, dtype=torch.float32)
 

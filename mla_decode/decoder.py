@@ -171,7 +171,44 @@ def _weight_state(w):
     return (w._version, w.data_ptr(), w.shape, w.stride(), w.dtype, w.get_device())
 
 
-_MAX_GRAPHS = 4
+_MAX_CACHES = 4
+
+
+class _CacheState:
+    """What the decoder keeps for one cache tensor: a rotated copy of its
+    k_pe columns, [bs, max_seq_len, rope] (rows [0, valid) hold rot(k_pe) at
+    their own position, exactly as the kernel would rotate them on the fly,
+    so the attention runs without rotating), and the captured step.
+
+    The copy is trusted only for the same tensor object at the version
+    counter seen after the decoder's last step on it: any write through
+    PyTorch (a view's too) bumps the counter and the copy is rebuilt from the
+    cache. A write that bypasses PyTorch (a raw pointer, DLPack) must be
+    followed by MLADecoder.forget_caches()."""
+
+    def __init__(self, data, dims: Dims):
+        self.ref = weakref.ref(data)
+        self.kpe = torch.empty(dims.bs, dims.max_seq_len, dims.rope, dtype=torch.bfloat16, device=data.device)
+        self.valid = 0
+        self.version = None
+        self.graph = None      # _GraphStep for graph_key
+        self.graph_key = None
+        self.seen_key = None   # a key seen once: the next call with it captures
+        self.failed_key = None
+
+    def ready(self, data, n, tables, r):
+        """Make rows [0, n) of the rotated copy current."""
+        if self.ref() is not data or data._version != self.version:
+            self.valid = 0
+        if self.valid < n:
+            lo = self.valid
+            self.kpe[:, lo:n] = rope_rotate(data[:, lo:n, r:], tables[1][lo:n], tables[2][lo:n])
+            self.valid = n
+
+    def stepped(self, data, L):
+        """After a step that wrote row L - 1 into the cache and the copy."""
+        self.valid = L
+        self.version = data._version
 
 
 class _GraphStep:
@@ -223,9 +260,7 @@ class MLADecoder:
         self.last_backend = None
         self.last_graphed = False
         self._lock = threading.Lock()
-        self._graphs = collections.OrderedDict()
-        self._seen = set()
-        self._failed = set()
+        self._caches = collections.OrderedDict()  # cache key -> _CacheState, oldest first
         self._weights = None
         self._rope = {}
         self._warned = set()
@@ -238,9 +273,8 @@ class MLADecoder:
             if ws is None or not ws.matches(config, dims):
                 ws = _WeightSet(config, dims)
                 self._weights = ws
-                self._graphs.clear()  # they captured the old weights' addresses
-                self._seen.clear()
-                self._failed.clear()
+                for st in self._caches.values():  # their graphs captured the old weights' addresses
+                    st.graph = st.graph_key = st.seen_key = st.failed_key = None
             return ws
 
     def _rope_tables(self, device, rope, positions):
@@ -298,25 +332,50 @@ class MLADecoder:
         data = kv_cache.data
         pos = kv_cache.seq_len  # the new row's position; L = pos + 1 after the append
         x2 = x.view(dims.bs, dims.dim)
-        step = None
-        if which == "kernels" and self.graphs and not torch.cuda.is_current_stream_capturing():
-            step = self._graph_step(config, ws, dims, data, tables)
+        st = step = None
+        if which == "kernels":
+            st = self._cache_state(data, dims)
+            st.ready(data, pos, tables, dims.kv_lora)
+            if self.graphs and not torch.cuda.is_current_stream_capturing():
+                step = self._graph_step(st, config, ws, dims, data, tables)
         if step is not None:
             y = step(x2, pos + 1)
             self.last_graphed = True
         else:
             seqlens = torch.full((dims.bs,), pos + 1, dtype=torch.int32, device=x.device)
             y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=x.device)
-            self._core(which, config, ws, dims, x2, data, seqlens, y, tables, pos + 1)
+            self._core(which, config, ws, dims, x2, data, seqlens, y, tables, pos + 1,
+                       kpe=st.kpe if st is not None else None)
             self.last_graphed = False
+        if st is not None:
+            st.stepped(data, pos + 1)
         kv_cache.seq_len = pos + 1
         self.last_backend = which
         return y.view(dims.bs, 1, dims.dim), data
 
-    def _core(self, which, config, ws, dims, x2, data, seqlens, y, tables, L=None):
+    def forget_caches(self):
+        """Drop what the decoder keeps per cache (rotated keys, captured
+        steps): call it after writing a cache other than through PyTorch."""
+        with self._lock:
+            self._caches.clear()
+
+    def _cache_state(self, data, dims):
+        key = (data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.device)
+        with self._lock:
+            st = self._caches.get(key)
+            if st is None or st.ref() is not data:
+                st = self._caches[key] = _CacheState(data, dims)
+                while len(self._caches) > _MAX_CACHES:
+                    self._caches.popitem(last=False)
+            self._caches.move_to_end(key)
+            return st
+
+    def _core(self, which, config, ws, dims, x2, data, seqlens, y, tables, L=None, kpe=None):
         """One step on the device, with every position-dependent value read
         from ``seqlens`` (all = L) on the device, so that a captured graph of
-        it serves every position. Writes the new cache row and ``y``."""
+        it serves every position. Writes the new cache row and ``y`` (and,
+        with ``kpe``, the new row's rotated k_pe; the attention then reads
+        the keys' rope columns from ``kpe`` instead of rotating them)."""
         table, cos2, sin2 = tables
         bs, H, r = dims.bs, dims.heads, dims.kv_lora
         # 1-2. down-projections (one product against the cached concatenation)
@@ -325,11 +384,15 @@ class MLADecoder:
         # then RoPE at the new row's position and the append of the new row
         qbuf = torch.empty(H, bs, r + dims.rope, dtype=torch.bfloat16, device=x2.device)
         q_pe = projections.query(q_lora, config.Q_proj_up_weight, ws.w_uk, qbuf)
-        q_att = projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, data, kernel=(which == "kernels"))
+        q_att = projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, data, kernel=(which == "kernels"),
+                                        kpe=kpe)
         scale = 1.0 / math.sqrt(dims.nope + dims.rope)
         # 5. attention over the latent cache
         if which == "kernels":
-            o_lat, _ = mla_attention(q_att, data, seqlens, scale, rope_cs=table)
+            if kpe is not None:
+                o_lat, _ = mla_attention(q_att, data, seqlens, scale, kpe=kpe)
+            else:
+                o_lat, _ = mla_attention(q_att, data, seqlens, scale, rope_cs=table)
             o_lat = o_lat.view(bs, H, r)
         else:
             o_lat = _attention_torch(q_att[:, 0, :, :r], q_att[:, 0, :, r:], data[:, :L], cos2[:L], sin2[:L],
@@ -338,37 +401,32 @@ class MLADecoder:
         obuf = torch.empty(bs, H, dims.v, dtype=torch.bfloat16, device=x2.device)
         projections.output(o_lat, ws.w_uv_t, config.wo_weight, obuf, y)
 
-    def _graph_step(self, config, ws, dims, data, tables):
-        """The captured step for this (weights, cache, bs), or None on the
-        first call of a key (that call runs eagerly and warms up the
-        libraries; the second captures). Captures are dropped when the
-        weights change (see _weight_set) and beyond _MAX_GRAPHS (oldest first)."""
-        key = (dims, data.data_ptr(), tuple(data.stride()), data.device, id(ws))
+    def _graph_step(self, st, config, ws, dims, data, tables):
+        """The captured step of cache state ``st`` for these weights and
+        dims, or None on the first call of a key (that call runs eagerly and
+        warms up the libraries; the second captures). Captures are dropped
+        when the weights change (see _weight_set) and with their cache state
+        (at most _MAX_CACHES, oldest first)."""
+        key = (dims, id(ws))
         with self._lock:
-            entry = self._graphs.get(key)
-            if entry is not None:
-                self._graphs.move_to_end(key)
-                return entry
-            if key not in self._seen:
-                if len(self._seen) > 64:
-                    self._seen.clear()
-                self._seen.add(key)
+            if st.graph is not None and st.graph_key == key:
+                return st.graph
+            if st.seen_key != key:
+                st.seen_key = key
                 return None
-            if key in self._failed:
+            if st.failed_key == key:
                 return None
         try:
             entry = _GraphStep(lambda x2, seqlens, y: self._core("kernels", config, ws, dims, x2, data, seqlens, y,
-                                                                 tables), ws, dims, data.device)
+                                                                 tables, kpe=st.kpe), ws, dims, data.device)
         except Exception as e:  # noqa: BLE001 - said once, loudly; the call then runs eagerly
             with self._lock:
-                self._failed.add(key)
+                st.failed_key = key
             warnings.warn(f"mla_decode: CUDA/HIP graph capture of the step failed, running eagerly "
                           f"(slower host path): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
             return None
         with self._lock:
-            self._graphs[key] = entry
-            while len(self._graphs) > _MAX_GRAPHS:
-                self._graphs.popitem(last=False)
+            st.graph, st.graph_key = entry, key
         return entry
 
     def step(self, data):

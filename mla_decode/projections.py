@@ -54,21 +54,26 @@ def query(q_lora, w_qu, w_uk, qbuf):
     return q[:, :, nope:]
 
 
-def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True):
+def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=None):
     """Rotate q_pe [bs, H, rope] at position seqlens[b] - 1 into qbuf[:, :,
     r:] and write kv_new [bs, r + rope] into cache[b, seqlens[b] - 1].
     tables = (rope_cs [P, rope] cos|sin as the kernels take it, cos2, sin2
-    [P, rope] in the [a, a] layout). Returns the attention's query view of
-    qbuf, [bs, 1, H, r + rope]."""
+    [P, rope] in the [a, a] layout). With ``kpe`` [bs, >= max_seq_len,
+    rope], the new row's k_pe rotated at its position goes to kpe[b, pos]
+    (the decoder's rotated copy of the cache's keys). Returns the
+    attention's query view of qbuf, [bs, 1, H, r + rope]."""
     rope = q_pe.shape[-1]
     q_out = qbuf[:, :, qbuf.shape[-1] - rope:].transpose(0, 1)
     if kernel:
-        torch.ops.mla_decode.rope_append(q_pe, kv_new, seqlens, tables[0], q_out, cache)
+        torch.ops.mla_decode.rope_append(q_pe, kv_new, seqlens, tables[0], q_out, cache, kpe)
     else:
         pos = seqlens.to(torch.int64) - 1
         cos, sin = tables[1][pos].unsqueeze(1), tables[2][pos].unsqueeze(1)
         q_out.copy_(rope_rotate(q_pe, cos, sin))
-        cache[torch.arange(cache.shape[0], device=cache.device), pos] = kv_new
+        rows = torch.arange(cache.shape[0], device=cache.device)
+        cache[rows, pos] = kv_new
+        if kpe is not None:
+            kpe[rows, pos] = rope_rotate(kv_new[:, None, -rope:], cos, sin)[:, 0]
     return qbuf.transpose(0, 1).unsqueeze(1)
 
 

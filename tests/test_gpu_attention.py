@@ -202,3 +202,40 @@ def test_attention_graph_capture_replays_new_lengths():
         torch.cuda.synchronize()
         ro, rl = attention_reference(q, kv, seqlens, 0.1)
         check(out, lse, ro, rl, f"graph replay with lengths {lens}")
+
+
+@pytest.mark.parametrize("lens", [[1, 64, 65, 777], [4097] * 3, [0, 300, 2049]])
+def test_separate_rotated_rope_keys_give_the_on_the_fly_bits(lens):
+    """kpe (the decoder's rotated copy of the keys' rope columns, a separate
+    buffer with its own strides) must give exactly what rotating on the fly
+    gives; the cache's own rope columns are then never read (NaN there)."""
+    max_seq = max(lens) + 5
+    q, kv, seqlens = make_case(lens, max_seq=max_seq, seed=sum(lens))
+    cs = rope_table(max_seq, device="cuda")
+    out_a, lse_a = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, out=out_a, lse=lse_a)
+    half = 32
+    cos2 = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)
+    sin2 = torch.cat([cs[:, half:], cs[:, half:]], dim=-1)
+    from mla_decode.reference import rope_rotate
+
+    kpe_wide = torch.full((len(lens), max_seq + 3, 64 + 16), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kpe = kpe_wide[:, :, 16:]  # strides of a wider buffer
+    kpe[:, :max_seq] = rope_rotate(kv[:, :, 512:], cos2[:max_seq], sin2[:max_seq])
+    kv_no_rope = kv.clone()
+    kv_no_rope[:, :, 512:] = float("nan")
+    out_b, lse_b = poisoned_out(q)
+    mla_attention(q, kv_no_rope, seqlens, 0.07, kpe=kpe, out=out_b, lse=lse_b)
+    assert torch.equal(out_a.view(torch.int16), out_b.view(torch.int16))
+    assert torch.equal(lse_a, lse_b)
+
+
+def test_kpe_checks():
+    q, kv, seqlens = make_case([10, 20], max_seq=32, seed=1)
+    kpe = torch.zeros(2, 32, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="kpe must have a row for every cache position"):
+        mla_attention(q, kv, seqlens, 0.1, kpe=kpe[:, :16])
+    with pytest.raises(ValueError, match=r"kpe must have shape \[bs, >= max_seq_len, 64\]"):
+        mla_attention(q, kv, seqlens, 0.1, kpe=kpe[:1])
+    with pytest.raises(TypeError, match="kpe"):
+        mla_attention(q, kv, seqlens, 0.1, kpe=kpe.float())

@@ -64,8 +64,9 @@ def test_captured_step_matches_eager_bitwise():
     it must give exactly the eager step's y and cache across positions (the
     graph advances the length itself; a rewound length is written again), a
     new x every call, an in-place weight change (version counter) and a
-    weight swapped through ``.data`` (new address, same version), and a
-    returned y must not change under later calls."""
+    weight swapped through ``.data`` (new address, same version) and a write
+    to the cache's rope columns (the rotated copy is rebuilt), and a returned
+    y must not change under later calls."""
     config, x, kv = generate_input(batch_size=16, prefill=200, seed=21, device="cuda")
     kv_e = kv.clone()
     dg = mla_decode.MLADecoder(backend="kernels")
@@ -81,8 +82,15 @@ def test_captured_step_matches_eager_bitwise():
             config.wo_weight.mul_(0.5)
         if step == 26:
             config.Q_proj_up_weight.data = config.Q_proj_up_weight.data * 0.5
+        if step == 14:  # a write through PyTorch: the decoders' rotated keys must be rebuilt
+            for c in (kv, kv_e):
+                c.data[:, : c.seq_len, -64:] *= -1
+            kv_fresh = kv.clone()
         yg, _ = dg(config, x, kv)
         graphed.append(dg.last_graphed)
+        if step == 14:
+            y_fresh, _ = mla_decode.MLADecoder(backend="kernels", graphs=False)(config, x, kv_fresh)
+            assert torch.equal(yg, y_fresh), "stale rotated keys after a write to the cache"
         ye, _ = de(config, x, kv_e)
         assert not de.last_graphed
         assert torch.equal(yg, ye), f"step {step}: graphed y differs from eager"
@@ -104,7 +112,7 @@ def test_captures_are_bounded_across_caches():
         for _ in range(3):
             y, _ = dec(config, x, kv)
         assert dec.last_graphed
-    assert len(dec._graphs) <= 4
+    assert len(dec._caches) <= 4
 
 
 def test_no_device_memory_growth_over_1000_calls():

@@ -35,7 +35,8 @@ _C = module()
 dims = validate(config, x, kv)
 ws = dec._weight_set(config, dims)
 tables = dec._rope_tables(x.device, dims.rope, dims.max_seq_len)
-entry = dec._graph_step(config, ws, dims, kv.data, tables)
+st = dec._cache_state(kv.data, dims)
+entry = dec._graph_step(st, config, ws, dims, kv.data, tables)
 x2 = x.view(dims.bs, dims.dim)
 L = kv.seq_len
 parts = [
@@ -44,7 +45,8 @@ parts = [
     ("_weight_set", lambda: dec._weight_set(config, dims)),
     ("_choose", lambda: dec._choose(dims, x.device)),
     ("_rope_tables", lambda: dec._rope_tables(x.device, dims.rope, dims.max_seq_len)),
-    ("_graph_step lookup", lambda: dec._graph_step(config, ws, dims, kv.data, tables)),
+    ("_cache_state lookup", lambda: dec._cache_state(kv.data, dims)),
+    ("_graph_step lookup", lambda: dec._graph_step(st, config, ws, dims, kv.data, tables)),
     ("x in (copy_async)", lambda: _C.copy_async(entry.x, x2)),
     ("seqlens.fill_ (rewinds)", lambda: entry.seqlens.fill_(L)),
     ("graph.replay", lambda: entry.graph.replay()),

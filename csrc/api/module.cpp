@@ -19,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_info", &mla::api::attention_info, py::arg("device"),
         "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, 1 hopper)]");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
-        py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"));
+        py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("kpe") = py::none());
   m.def("copy_async", &mla::api::copy_async, py::arg("dst"), py::arg("src"),
         "dst <- src on the current stream (same dtype and size, contiguous, one GPU)");
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));

@@ -160,7 +160,8 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
 
 void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
-                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse) {
+                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
+                   const c10::optional<at::Tensor>& kpe) {
   // device
   if (!q.is_cuda()) fail_value("q must be on a GPU, got " + q.device().str());
   const at::Device dev = q.device();
@@ -196,6 +197,15 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
       fail_value("rope_cs must cover every cache position (" + num(kl.capacity) + " rows), got " +
                  shape_str(*rope_cs));
   }
+  if (kpe.has_value()) {
+    check_device(*kpe, "kpe", dev);
+    check_dtype(*kpe, "kpe", at::kBFloat16);
+    check_last_dim_contiguous(*kpe, "kpe");
+    if (block_table.has_value()) fail_value("kpe (separate rope keys) is not supported with a block table");
+    check_shape(*kpe, "kpe", {bs, -1, kRope}, "[bs, >= max_seq_len, 64]");
+    if (kpe->size(1) < kl.capacity)
+      fail_value("kpe must have a row for every cache position (" + num(kl.capacity) + "), got " + shape_str(*kpe));
+  }
   if (!(softmax_scale > 0.0)) fail_value("softmax_scale must be positive, got " + num(softmax_scale));
 
   const int device = dev.index();
@@ -217,6 +227,9 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.block_table = block_table.has_value() ? block_table->data_ptr<int32_t>() : nullptr;
   ap.seqlens = seqlens.data_ptr<int32_t>();
   ap.rope_cs = rope_cs.has_value() ? reinterpret_cast<const bf16_t*>(rope_cs->data_ptr()) : nullptr;
+  ap.kpe = kpe.has_value() ? reinterpret_cast<const bf16_t*>(kpe->data_ptr()) : nullptr;
+  ap.kpe_row_stride = kpe.has_value() ? kpe->stride(1) : 0;
+  ap.kpe_batch_stride = kpe.has_value() ? kpe->stride(0) : 0;
   ap.o = reinterpret_cast<bf16_t*>(out.data_ptr());
   ap.lse = lse.data_ptr<float>();
   ap.o_part = o_part.data_ptr<float>();
@@ -259,11 +272,11 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
-                                             bool causal) {
+                                             bool causal, const c10::optional<at::Tensor>& kpe) {
   if (q.dim() != 4) fail_value("q must have shape [bs, s_q, h_q, 576], got " + shape_str(q));
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDv}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse);
+  attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe);
   return {out, lse};
 }
 
@@ -327,10 +340,10 @@ std::vector<int64_t> attention_info(int64_t device) {
 TORCH_LIBRARY(mla_decode, m) {
   m.def(
       "attention(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
-      "float softmax_scale, bool causal) -> (Tensor, Tensor)");
+      "float softmax_scale, bool causal, Tensor? kpe=None) -> (Tensor, Tensor)");
   m.def(
       "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
-      "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse) -> ()");
+      "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None) -> ()");
   m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
   m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity) -> Tensor");
 }

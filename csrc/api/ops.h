@@ -10,12 +10,13 @@ namespace mla::api {
 
 void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
-                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse);
+                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
+                   const c10::optional<at::Tensor>& kpe);
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
-                                             bool causal);
+                                             bool causal, const c10::optional<at::Tensor>& kpe);
 
 // The split plan (csrc/kernels/attention/plan.h) the attention op would use
 // for these lengths, computed on the device: int32 [2 + 2 bs + 4 max_parts].
@@ -26,7 +27,8 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
 // The query's RoPE and the cache append of a decode step in one launch
 // (csrc/kernels/projections/rope_append.h); implemented in ops_projections.cpp.
 void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Tensor& seqlens,
-                 const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache);
+                 const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
+                 const c10::optional<at::Tensor>& kpe_out);
 
 // dst <- src (same dtype and size, both contiguous, one GPU), one
 // cudaMemcpyAsync/hipMemcpyAsync on the current stream: the captured decode

@@ -13,7 +13,8 @@
 namespace mla::api {
 
 void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Tensor& seqlens,
-                 const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache) {
+                 const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
+                 const c10::optional<at::Tensor>& kpe_out) {
   if (!q_pe.is_cuda()) fail_value("q_pe must be on a GPU, got " + q_pe.device().str());
   const at::Device dev = q_pe.device();
   check_device(kv_new, "kv_new", dev);
@@ -46,6 +47,16 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
   if (rope_cs.size(0) < cache.size(1))
     fail_value("rope_cs must cover every cache position (" + num(cache.size(1)) + " rows), got " +
                shape_str(rope_cs));
+  if (width < rope) fail_value("kv_new must be at least rope (" + num(rope) + ") wide, got " + shape_str(kv_new));
+  if (kpe_out.has_value()) {
+    check_device(*kpe_out, "kpe_out", dev);
+    check_dtype(*kpe_out, "kpe_out", at::kBFloat16);
+    check_shape(*kpe_out, "kpe_out", {bs, -1, rope}, "[bs, >= max_seq_len, rope]");
+    check_last_dim_contiguous(*kpe_out, "kpe_out");
+    if (kpe_out->size(1) < cache.size(1))
+      fail_value("kpe_out must have a row for every cache position (" + num(cache.size(1)) + "), got " +
+                 shape_str(*kpe_out));
+  }
   if (cache.size(1) > INT32_MAX || heads * rope > INT32_MAX) fail("rope_append: sizes overflow int32");
 
   RopeAppendParams p{};
@@ -60,6 +71,9 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
   p.cache = reinterpret_cast<bf16_t*>(cache.data_ptr());
   p.c_b_stride = cache.stride(0);
   p.c_row_stride = cache.stride(1);
+  p.kpe_out = kpe_out.has_value() ? reinterpret_cast<bf16_t*>(kpe_out->data_ptr()) : nullptr;
+  p.k_b_stride = kpe_out.has_value() ? kpe_out->stride(0) : 0;
+  p.k_row_stride = kpe_out.has_value() ? kpe_out->stride(1) : 0;
   p.seqlens = seqlens.data_ptr<int32_t>();
   p.rope_cs = reinterpret_cast<const bf16_t*>(rope_cs.data_ptr());
   p.bs = static_cast<int>(bs);
@@ -77,7 +91,7 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
 TORCH_LIBRARY_FRAGMENT(mla_decode, m) {
   m.def(
       "rope_append(Tensor q_pe, Tensor kv_new, Tensor seqlens, Tensor rope_cs, Tensor(a!) q_out, "
-      "Tensor(b!) cache) -> ()");
+      "Tensor(b!) cache, Tensor(c!)? kpe_out=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) { m.impl("rope_append", &mla::api::rope_append); }

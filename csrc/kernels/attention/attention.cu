@@ -100,7 +100,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
       const int r = c / T::kChunksPerRow, ch = c % T::kChunksPerRow;
       const int t = tile * T::kBN + r;
       const bool valid = t < L;
-      const bf16_t* src = valid ? kv_row<T>(p, b, t) + ch * 8 : p.kv;
+      constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
+      const bf16_t* src = !valid                                 ? p.kv
+                          : (p.kpe != nullptr && ch >= kRopeChunk) ? p.kpe + b * p.kpe_batch_stride +
+                                                                       static_cast<int64_t>(t) * p.kpe_row_stride +
+                                                                       (ch - kRopeChunk) * 8
+                                                                 : kv_row<T>(p, b, t) + ch * 8;
       copy16_async(dst + r * T::kLd + ch * 8, src, valid);
     }
     if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them

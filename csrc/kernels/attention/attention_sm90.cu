@@ -230,7 +230,12 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       const bf16_t* src = valid ? srcs[i] : p.kv;
       unsigned char* d = dst + i * 16 * 128;
       for (int bk = blo; bk < bhi; ++bk) copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
-      if (with8) copy16_async(d + 8 * T::kBlockBytes, valid ? src + 8 * 64 : src, valid);
+      if (with8) {  // the rope block: from the cache, or from the separate (rotated) k_pe rows
+        const bf16_t* src8 = p.kpe == nullptr ? src + 8 * 64
+                                              : p.kpe + b * p.kpe_batch_stride +
+                                                    static_cast<int64_t>(key_base + 16 * i) * p.kpe_row_stride + lc * 8;
+        copy16_async(d + 8 * T::kBlockBytes, valid ? src8 : src, valid);
+      }
     }
     wg::cp_async_arrive(&mb[bar]);
   };

@@ -20,6 +20,9 @@ struct AttnParams {
   const int32_t* seqlens;     // [bs] number of valid cache rows per sequence (device)
   const bf16_t* rope_cs;      // [>= max length, rope]: cos of the rope/2 freqs | sin of them (bf16),
                               //   or nullptr when keys are used as stored
+  const bf16_t* kpe;          // or nullptr: the key's last `rope` columns of row t of sequence b are read
+                              //   from kpe + b * kpe_batch_stride + t * kpe_row_stride instead of the
+                              //   cache (a rotated copy kept by the decoder; not with a block table)
   bf16_t* o;                  // [bs, s_q, h_q, Dv], contiguous
   float* lse;                 // [bs, h_q, s_q], natural-log LSE
   float* o_part;              // [max_parts, rows, Dv] fp32 partial outputs (split sequences only)
@@ -31,6 +34,8 @@ struct AttnParams {
   int64_t kv_row_stride;      // elements between cache rows
   int64_t kv_page_stride;     // elements between pages (between sequences when not paged)
   int64_t block_table_stride; // entries per sequence in block_table
+  int64_t kpe_row_stride;     // elements between kpe rows
+  int64_t kpe_batch_stride;   // elements between kpe sequences
   int page_size;              // rows per page (max_seq_len when not paged)
   int max_len;                // cache capacity per sequence: lengths are clamped to [0, max_len]
 

@@ -17,19 +17,25 @@ MLA_GLOBAL void __launch_bounds__(kThreads) rope_append_kernel(RopeAppendParams 
   const bf16_t* cs = p.rope_cs + static_cast<int64_t>(pos) * p.rope;
   const bf16_t* q = p.q_pe + b * p.q_b_stride;
   bf16_t* o = p.q_out + b * p.o_b_stride;
+  // one rotation pair: x[j], x[j + half] -> y[j], y[j + half]
+  auto rotate = [&](const bf16_t* x, bf16_t* y, int j) {
+    const float x1 = bf16_to_float(x[j]), x2 = bf16_to_float(x[j + half]);
+    const float c = bf16_to_float(cs[j]), s = bf16_to_float(cs[half + j]);
+    y[j] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+    y[j + half] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+  };
   const int i = block_y() * kThreads + thread_x();
   if (i < p.heads * half) {
-    const int h = i / half, j = i - h * half;
-    const float x1 = bf16_to_float(q[h * p.q_h_stride + j]);
-    const float x2 = bf16_to_float(q[h * p.q_h_stride + j + half]);
-    const float c = bf16_to_float(cs[j]), s = bf16_to_float(cs[half + j]);
-    o[h * p.o_h_stride + j] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
-    o[h * p.o_h_stride + j + half] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+    const int h = i / half;
+    rotate(q + h * p.q_h_stride, o + h * p.o_h_stride, i - h * half);
   }
   if (block_y() != 0) return;
   const bf16_t* src = p.kv_new + b * p.kv_b_stride;
   bf16_t* dst = p.cache + b * p.c_b_stride + static_cast<int64_t>(pos) * p.c_row_stride;
   for (int k = thread_x(); k < p.width; k += kThreads) dst[k] = src[k];
+  if (p.kpe_out != nullptr && thread_x() < half)
+    rotate(src + p.width - p.rope, p.kpe_out + b * p.k_b_stride + static_cast<int64_t>(pos) * p.k_row_stride,
+           thread_x());
 }
 
 }  // namespace

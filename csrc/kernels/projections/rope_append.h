@@ -20,13 +20,16 @@ struct RopeAppendParams {
   int64_t kv_b_stride;
   bf16_t* cache;           // [bs, max_len, width], unit last stride
   int64_t c_b_stride, c_row_stride;
+  bf16_t* kpe_out;         // or nullptr: [bs, >= max_len, rope], unit last stride: the new row's
+  int64_t k_b_stride, k_row_stride;  //   last rope columns, rotated at pos, go to kpe_out[b, pos]
   const int32_t* seqlens;  // [bs]: the new row's position is seqlens[b] - 1
   const bf16_t* rope_cs;   // [positions, rope]: cos of the rope/2 angles | their sin
   int bs, heads, rope, width, max_len, positions;
 };
 
 // rot(x) = x*cos + cat(-x2, x1)*sin with each product and the sum rounded
-// to bf16 (the task's RoPE, bit for bit); cache[b, pos] = kv_new[b]. A
+// to bf16 (the task's RoPE, bit for bit); cache[b, pos] = kv_new[b]; with
+// kpe_out, kpe_out[b, pos] = rot(kv_new[b, width - rope:]). A
 // position outside [0, min(max_len, positions)) writes nothing for that
 // sequence (the host checks lengths before the launch).
 const char* launch_rope_append(const RopeAppendParams& p, stream_t stream);
