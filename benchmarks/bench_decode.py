@@ -5,12 +5,14 @@
 For each shape: one call checked against the literal reference under the
 task's rule, then repeated calls on one cache timed as the task harness
 times them (synchronize, wall clock, call, synchronize; median) and by
-device events; the PyTorch absorbed baseline in the same run; % of the
+device events, and as the task's ranked mode does (new weight objects on
+every call); the PyTorch absorbed baseline in the same run; % of the
 device's speed-of-light floor (mla_decode.roofline's peaks, device picked by name).
 Without a GPU it runs a reduced size on the PyTorch fallback and says so.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -54,8 +56,15 @@ def run_shape(prefill, bs, device, iters, reduced):
 
     # repeated calls on one cache, one new row each (as the harness does)
     res["us_harness"] = 1e3 * time_wall(step(dec), iters=iters)
+    # the task's ranked mode: new weight objects on every call (cloned untimed before it)
+    names = ("Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")
+    res["us_ranked"] = 1e3 * time_wall(lambda cfg: dec(cfg, x, kv), iters=iters,
+                                       prepare=lambda: dataclasses.replace(
+                                           config, **{n: getattr(config, n).clone() for n in names}))
     if device == "cuda":
         res["us_events"] = 1e3 * time_events(step(dec), iters=iters)
+        # no captured graph (what a call costs when the weights sit at new addresses every time)
+        res["us_eager"] = 1e3 * time_wall(step(mla_decode.MLADecoder(graphs=False)), iters=iters)
         try:  # device time alone (graph replay): harness minus this is host overhead
             res["us_graph"] = 1e3 * time_graph(step(dec), iters=iters)
         except Exception as e:  # noqa: BLE001 - a diagnostic column; say why it is missing
@@ -99,20 +108,23 @@ def main():
         rows.append(r)
         print(f"  prefill {p}: done ({r['backend']}, correct={r['correct']})", flush=True)
 
-    hdr = f"{'prefill':>7} {'backend':>8} {'check':>5} {'us(harness)':>11} {'us(events)':>10} {'us(graph)':>9} {'us(torch)':>9} {'floor us':>8} {'%floor':>6} {'GB/s':>6} {'TFLOP/s':>7}"
+    hdr = f"{'prefill':>7} {'backend':>8} {'check':>5} {'us(harness)':>11} {'us(ranked)':>10} {'us(eager)':>9} {'us(events)':>10} {'us(graph)':>9} {'us(torch)':>9} {'floor us':>8} {'%floor':>6} {'GB/s':>6} {'TFLOP/s':>7}"
     print(hdr)
-    print("(harness: wall clock between synchronizes, the task's method; events: device events around one call;"
+    print("(harness: wall clock between synchronizes, the task's method; ranked: the same with new weight objects"
+          " every call, as the task's ranked mode; eager: without the captured graph; events: device events around one call;"
           " graph: CUDA-graph replay of one call = device time without host overhead; torch: the PyTorch absorbed baseline)")
     for r in rows:
         print(f"{r['prefill']:>7} {r['backend']:>8} {('ok' if r['correct'] else 'FAIL'):>5} {r['us_harness']:>11.1f} "
+              f"{r['us_ranked']:>10.1f} {r.get('us_eager', float('nan')):>9.1f} "
               f"{r.get('us_events', float('nan')):>10.1f} {r.get('us_graph', float('nan')):>9.1f} "
               f"{r.get('us_torch_baseline', float('nan')):>9.1f} "
               f"{r.get('floor_us', float('nan')):>8.1f} {r.get('pct_floor', float('nan')):>6.1f} "
               f"{r.get('gbs', float('nan')):>6.0f} {r.get('tflops', float('nan')):>7.1f}")
     gm = geomean([r["us_harness"] for r in rows])
-    line = f"geomean us (harness method): {gm:.1f}"
+    line = f"geomean us (harness method): {gm:.1f} | ranked {geomean([r['us_ranked'] for r in rows]):.1f}"
     if gpu:
         line += (f" | events {geomean([r['us_events'] for r in rows]):.1f}"
+                 f" | eager {geomean([r['us_eager'] for r in rows]):.1f}"
                  f" | graph replay {geomean([r['us_graph'] for r in rows]):.1f}"
                  f" | torch baseline {geomean([r['us_torch_baseline'] for r in rows]):.1f}")
     if peaks and not reduced:

@@ -2,15 +2,16 @@
 
     python benchmarks/bench_projections.py [--bs 1 32 128] [--json FILE]
 
-Each stage (mla_decode.projections: down = x [W_qd; W_kvd]^T, query =
+Each stage (mla_decode.projections: down = x W_qd^T and x W_kvd^T, query =
 up-projection + W_UK absorption + the RoPE/cache-append kernel, output =
 W_UV + wo) is captured in a
 graph and replayed with the L2 cache flushed before each replay (device
 events, median): the weights stream from memory as in a full step. GB/s is
 over the weight bytes the stage must read; % is of the device's measured
 copy bandwidth (a device-to-device copy, bytes read + written). Also shown:
-the down stage as two GEMMs on the weights where they lie, and the wo GEMM
-alone. Asserts nothing.
+the down stage as one GEMM against a concatenated copy of its weights (what
+a single fused launch could approach; the step does not copy weights), and
+the wo GEMM alone. Asserts nothing.
 """
 
 import argparse
@@ -36,7 +37,7 @@ def stages(bs):
     wkv = config.KV_proj_up_weight.view(H, nope + v, r)
     x2 = x.view(bs, -1)
     w_down = torch.cat([config.Q_proj_down_weight, config.KV_proj_down_weight])
-    q_lora, kv_new = projections.down(x2, w_down, config.q_lora_rank)
+    q_lora, kv_new = projections.down(x2, config.Q_proj_down_weight, config.KV_proj_down_weight)
     seqlens = torch.full((bs,), 6, dtype=torch.int32, device="cuda")
     tables = (rope_table(16, rope, "cuda"), None, None)
     qbuf = torch.empty(H, bs, r + rope, dtype=torch.bfloat16, device="cuda")
@@ -50,9 +51,9 @@ def stages(bs):
         projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, kv.data)
 
     return [
-        ("down (one GEMM, cached concatenation)", nb["down"], lambda: projections.down(x2, w_down, config.q_lora_rank)),
-        ("down as two GEMMs (weights where they lie)", nb["down"],
-         lambda: (torch.mm(x2, config.Q_proj_down_weight.t()), torch.mm(x2, config.KV_proj_down_weight.t()))),
+        ("down (two GEMMs, weights where they lie)", nb["down"],
+         lambda: projections.down(x2, config.Q_proj_down_weight, config.KV_proj_down_weight)),
+        ("down as one GEMM on a concatenated copy", nb["down"], lambda: torch.mm(x2, w_down.t())),
         ("query (+ RoPE and cache append kernel)", nb["query"], query),
         ("output", nb["output"], lambda: projections.output(o_lat, wkv[:, nope:].transpose(1, 2),
                                                             config.wo_weight, obuf, y)),

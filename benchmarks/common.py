@@ -47,19 +47,24 @@ def time_events(fn, iters=50, warmup=5):
     return statistics.median(times)
 
 
-def time_wall(fn, iters=20, warmup=3, sync=None):
+def time_wall(fn, iters=20, warmup=3, sync=None, prepare=None):
     """Median milliseconds of fn() timed as the task harness does:
-    synchronize, wall clock, call, synchronize, wall clock."""
+    synchronize, wall clock, call, synchronize, wall clock. With
+    ``prepare``, each call is fn(prepare()), prepare() run untimed before
+    the first synchronize (fresh inputs per call)."""
     sync = sync or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
+    call = fn if prepare is None else None
     for _ in range(warmup):
-        fn()
+        fn() if prepare is None else fn(prepare())
     times = []
     for _ in range(iters):
+        arg = None if prepare is None else prepare()
         sync()
         t0 = time.perf_counter()
-        fn()
+        call() if call is not None else fn(arg)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+        del arg
     return statistics.median(times)
 
 

@@ -71,7 +71,7 @@ def validate(config, x, kv_cache, weights_known=None) -> Dims:
     """Check a call's inputs (device, dtype, layout, shape, capacity) and
     return its dims. Raises MLAInputError/TypeError naming what was expected.
     ``weights_known(config, dims)``, when given and true, vouches for the
-    five weights (MLADecoder passes its _WeightSet.matches, which compares
+    five weights (MLADecoder passes its _WeightStamp.matches, which compares
     identity, version, address, shape, strides, dtype and device with a set
     that passed these checks), so they are not checked again."""
     if not isinstance(x, torch.Tensor):
@@ -132,26 +132,19 @@ def _check_weights(config, dims: Dims, dev):
             raise MLAInputError(f"config.{name} must be contiguous, got strides {t.stride()}")
 
 
-class _WeightSet:
-    """What the decoder derives from one set of weights. It is served again
-    only for the very same tensor objects at the same version counter (an
-    in-place change bumps the counter) and the same address, shape, strides,
-    dtype and device (``w.data = other`` changes those without a version
-    bump), so new or modified weights are never served stale, and a match
-    vouches that the weights pass validate()'s checks. Weak references
-    identify the weights; the derived views keep KV_proj_up's storage alive."""
+class _WeightStamp:
+    """The five weights of the last call that passed validation, by weak
+    reference and (version, address, shape, strides, dtype, device). A call
+    whose weights are the same objects in the same state passes the same
+    checks, so validate() is spared re-checking them. Nothing is derived
+    from the weights and kept: the task's ranked mode passes new weight
+    objects on every call, so every call reads the weights where they lie."""
 
     def __init__(self, config, dims: Dims):
         ws = [getattr(config, n) for n in _WEIGHTS]
         self.refs = tuple(weakref.ref(w) for w in ws)
         self.state = tuple(_weight_state(w) for w in ws)
         self.wdims = _weight_dims(dims)
-        H, nope, v, r = dims.heads, dims.nope, dims.v, dims.kv_lora
-        wkv = config.KV_proj_up_weight.view(H, nope + v, r)
-        self.w_uk = wkv[:, :nope, :]                 # [H, nope, r]: q_nope -> latent
-        self.w_uv_t = wkv[:, nope:, :].transpose(1, 2)  # [H, r, v]: latent -> value
-        # the two down-projections as one product: a copy made once per weight version
-        self.w_down = torch.cat([config.Q_proj_down_weight, config.KV_proj_down_weight])
 
     def matches(self, config, dims: Dims, device=None) -> bool:
         if _weight_dims(dims) != self.wdims:
@@ -172,13 +165,14 @@ def _weight_state(w):
 
 
 _MAX_CACHES = 4
+_MAX_GRAPHS = 4
 
 
 class _CacheState:
     """What the decoder keeps for one cache tensor: a rotated copy of its
     k_pe columns, [bs, max_seq_len, rope] (rows [0, valid) hold rot(k_pe) at
     their own position, exactly as the kernel would rotate them on the fly,
-    so the attention runs without rotating), and the captured step.
+    so the attention runs without rotating).
 
     The copy is trusted only for the same tensor object at the version
     counter seen after the decoder's last step on it: any write through
@@ -191,10 +185,7 @@ class _CacheState:
         self.kpe = torch.empty(dims.bs, dims.max_seq_len, dims.rope, dtype=torch.bfloat16, device=data.device)
         self.valid = 0
         self.version = None
-        self.graph = None      # _GraphStep for graph_key
-        self.graph_key = None
-        self.seen_key = None   # a key seen once: the next call with it captures
-        self.failed_key = None
+        self.key = None  # set by MLADecoder._cache_state
 
     def ready(self, data, n, tables, r):
         """Make rows [0, n) of the rotated copy current."""
@@ -219,8 +210,7 @@ class _GraphStep:
     host write of the length; any other length is written before the replay.
     Calls on one cache must be ordered on one stream, as eager calls must."""
 
-    def __init__(self, run, ws, dims, device):
-        self.ws = ws  # held so that id(ws) in the key stays unique while this lives
+    def __init__(self, run, dims, device):
         self.x = torch.zeros(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
         self.seqlens = torch.ones(dims.bs, dtype=torch.int32, device=device)
         self.y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
@@ -261,21 +251,17 @@ class MLADecoder:
         self.last_graphed = False
         self._lock = threading.Lock()
         self._caches = collections.OrderedDict()  # cache key -> _CacheState, oldest first
-        self._weights = None
+        self._graphs = collections.OrderedDict()  # (cache key, dims, weight addresses) -> _GraphStep
+        self._seen = collections.OrderedDict()    # keys seen once (the next call with one captures)
+        self._failed = set()
+        self._stamp = None
         self._rope = {}
         self._warned = set()
         self._chosen = {}
 
     # -- derived state ------------------------------------------------------
-    def _weight_set(self, config, dims):
-        with self._lock:
-            ws = self._weights
-            if ws is None or not ws.matches(config, dims):
-                ws = _WeightSet(config, dims)
-                self._weights = ws
-                for st in self._caches.values():  # their graphs captured the old weights' addresses
-                    st.graph = st.graph_key = st.seen_key = st.failed_key = None
-            return ws
+    def _stamp_weights(self, config, dims):
+        self._stamp = _WeightStamp(config, dims)
 
     def _rope_tables(self, device, rope, positions):
         """(table [n, rope] = cos | sin of the rope/2 frequencies, as the kernels
@@ -317,7 +303,7 @@ class MLADecoder:
 
     # -- the step -----------------------------------------------------------
     def __call__(self, config, x, kv_cache):
-        known = self._weights
+        known = self._stamp
         vouched = []
 
         def vouch(config, dims, device):  # the weights of the last call, unchanged: no need to check them again
@@ -326,7 +312,8 @@ class MLADecoder:
             return ok
 
         dims = validate(config, x, kv_cache, vouch)
-        ws = known if vouched and vouched[0] else self._weight_set(config, dims)
+        if not (vouched and vouched[0]):
+            self._stamp_weights(config, dims)
         which = self._choose(dims, x.device)
         tables = self._rope_tables(x.device, dims.rope, dims.max_seq_len)
         data = kv_cache.data
@@ -337,14 +324,14 @@ class MLADecoder:
             st = self._cache_state(data, dims)
             st.ready(data, pos, tables, dims.kv_lora)
             if self.graphs and not torch.cuda.is_current_stream_capturing():
-                step = self._graph_step(st, config, ws, dims, data, tables)
+                step = self._graph_step(st, config, dims, data, tables)
         if step is not None:
             y = step(x2, pos + 1)
             self.last_graphed = True
         else:
             seqlens = torch.full((dims.bs,), pos + 1, dtype=torch.int32, device=x.device)
             y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=x.device)
-            self._core(which, config, ws, dims, x2, data, seqlens, y, tables, pos + 1,
+            self._core(which, config, dims, x2, data, seqlens, y, tables, pos + 1,
                        kpe=st.kpe if st is not None else None)
             self.last_graphed = False
         if st is not None:
@@ -358,32 +345,40 @@ class MLADecoder:
         steps): call it after writing a cache other than through PyTorch."""
         with self._lock:
             self._caches.clear()
+            self._graphs.clear()
+            self._seen.clear()
 
     def _cache_state(self, data, dims):
         key = (data.data_ptr(), tuple(data.shape), tuple(data.stride()), data.device)
         with self._lock:
             st = self._caches.get(key)
             if st is None or st.ref() is not data:
+                for k in [k for k, v in self._caches.items() if v.ref() is None]:  # caches that died
+                    del self._caches[k]
                 st = self._caches[key] = _CacheState(data, dims)
+                st.key = (key, id(st))  # unique while st lives (graphs hold their st)
                 while len(self._caches) > _MAX_CACHES:
                     self._caches.popitem(last=False)
             self._caches.move_to_end(key)
             return st
 
-    def _core(self, which, config, ws, dims, x2, data, seqlens, y, tables, L=None, kpe=None):
+    def _core(self, which, config, dims, x2, data, seqlens, y, tables, L=None, kpe=None):
         """One step on the device, with every position-dependent value read
         from ``seqlens`` (all = L) on the device, so that a captured graph of
         it serves every position. Writes the new cache row and ``y`` (and,
         with ``kpe``, the new row's rotated k_pe; the attention then reads
         the keys' rope columns from ``kpe`` instead of rotating them)."""
         table, cos2, sin2 = tables
-        bs, H, r = dims.bs, dims.heads, dims.kv_lora
-        # 1-2. down-projections (one product against the cached concatenation)
-        q_lora, kv_new = projections.down(x2, ws.w_down, dims.q_lora)
+        bs, H, r, nope = dims.bs, dims.heads, dims.kv_lora, dims.nope
+        wkv = config.KV_proj_up_weight.view(H, nope + dims.v, r)
+        w_uk = wkv[:, :nope, :]                      # [H, nope, r]: q_nope -> latent
+        w_uv_t = wkv[:, nope:, :].transpose(1, 2)    # [H, r, v]: latent -> value
+        # 1-2. down-projections, on the weights where they lie
+        q_lora, kv_new = projections.down(x2, config.Q_proj_down_weight, config.KV_proj_down_weight)
         # 3-4. query: up-projection and W_UK absorption into the attention's layout,
         # then RoPE at the new row's position and the append of the new row
         qbuf = torch.empty(H, bs, r + dims.rope, dtype=torch.bfloat16, device=x2.device)
-        q_pe = projections.query(q_lora, config.Q_proj_up_weight, ws.w_uk, qbuf)
+        q_pe = projections.query(q_lora, config.Q_proj_up_weight, w_uk, qbuf)
         q_att = projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, data, kernel=(which == "kernels"),
                                         kpe=kpe)
         scale = 1.0 / math.sqrt(dims.nope + dims.rope)
@@ -399,34 +394,42 @@ class MLADecoder:
                                      dims, scale)
         # 6. W_UV per head, then wo
         obuf = torch.empty(bs, H, dims.v, dtype=torch.bfloat16, device=x2.device)
-        projections.output(o_lat, ws.w_uv_t, config.wo_weight, obuf, y)
+        projections.output(o_lat, w_uv_t, config.wo_weight, obuf, y)
 
-    def _graph_step(self, st, config, ws, dims, data, tables):
-        """The captured step of cache state ``st`` for these weights and
-        dims, or None on the first call of a key (that call runs eagerly and
-        warms up the libraries; the second captures). Captures are dropped
-        when the weights change (see _weight_set) and with their cache state
-        (at most _MAX_CACHES, oldest first)."""
-        key = (dims, id(ws))
+    def _graph_step(self, st, config, dims, data, tables):
+        """The captured step for this cache, dims and weight addresses, or
+        None on the first call of a key (that call runs eagerly and warms up
+        the libraries; the second captures). A graph reads the weights at the
+        addresses it was captured with, so it serves any weight objects that
+        lie there (new objects at the same addresses, in-place updates) and
+        no other. At most _MAX_GRAPHS are kept, least recently used dropped."""
+        key = (st.key, dims, tuple(getattr(config, n).data_ptr() for n in _WEIGHTS))
         with self._lock:
-            if st.graph is not None and st.graph_key == key:
-                return st.graph
-            if st.seen_key != key:
-                st.seen_key = key
+            entry = self._graphs.get(key)
+            if entry is not None:
+                self._graphs.move_to_end(key)
+                return entry
+            if key not in self._seen:
+                self._seen[key] = True
+                while len(self._seen) > 64:
+                    self._seen.popitem(last=False)
                 return None
-            if st.failed_key == key:
+            if key in self._failed:
                 return None
         try:
-            entry = _GraphStep(lambda x2, seqlens, y: self._core("kernels", config, ws, dims, x2, data, seqlens, y,
-                                                                 tables, kpe=st.kpe), ws, dims, data.device)
+            entry = _GraphStep(lambda x2, seqlens, y: self._core("kernels", config, dims, x2, data, seqlens, y,
+                                                                 tables, kpe=st.kpe), dims, data.device)
         except Exception as e:  # noqa: BLE001 - said once, loudly; the call then runs eagerly
             with self._lock:
-                st.failed_key = key
+                self._failed.add(key)
             warnings.warn(f"mla_decode: CUDA/HIP graph capture of the step failed, running eagerly "
                           f"(slower host path): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
             return None
+        entry.state = st  # the graph reads st.kpe: keep it alive with the graph
         with self._lock:
-            st.graph, st.graph_key = entry, key
+            self._graphs[key] = entry
+            while len(self._graphs) > _MAX_GRAPHS:
+                self._graphs.popitem(last=False)
         return entry
 
     def step(self, data):

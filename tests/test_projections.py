@@ -36,8 +36,7 @@ def tables(positions, rope, dev):
 def test_down_gives_q_lora_and_the_new_row(dev, bs, small):
     config, x, _ = generate_input(batch_size=bs, prefill=0, max_seq_len=8, seed=100 + bs, device=dev, **small)
     x2 = x.view(bs, -1)
-    w_down = torch.cat([config.Q_proj_down_weight, config.KV_proj_down_weight])
-    q_lora, kv_new = projections.down(x2, w_down, config.q_lora_rank)
+    q_lora, kv_new = projections.down(x2, config.Q_proj_down_weight, config.KV_proj_down_weight)
     assert_task_rule(q_lora, bf(x2.double() @ config.Q_proj_down_weight.double().T), "q_lora")
     assert_task_rule(kv_new, bf(x2.double() @ config.KV_proj_down_weight.double().T), "new latent row")
 

@@ -33,20 +33,18 @@ def host_us(fn, n=200):
 
 _C = module()
 dims = validate(config, x, kv)
-ws = dec._weight_set(config, dims)
 tables = dec._rope_tables(x.device, dims.rope, dims.max_seq_len)
 st = dec._cache_state(kv.data, dims)
-entry = dec._graph_step(st, config, ws, dims, kv.data, tables)
+entry = dec._graph_step(st, config, dims, kv.data, tables)
 x2 = x.view(dims.bs, dims.dim)
 L = kv.seq_len
 parts = [
     ("validate (full)", lambda: validate(config, x, kv)),
-    ("validate (known weights)", lambda: validate(config, x, kv, dec._weights.matches)),
-    ("_weight_set", lambda: dec._weight_set(config, dims)),
+    ("validate (known weights)", lambda: validate(config, x, kv, dec._stamp.matches)),
     ("_choose", lambda: dec._choose(dims, x.device)),
     ("_rope_tables", lambda: dec._rope_tables(x.device, dims.rope, dims.max_seq_len)),
     ("_cache_state lookup", lambda: dec._cache_state(kv.data, dims)),
-    ("_graph_step lookup", lambda: dec._graph_step(st, config, ws, dims, kv.data, tables)),
+    ("_graph_step lookup", lambda: dec._graph_step(st, config, dims, kv.data, tables)),
     ("x in (copy_async)", lambda: _C.copy_async(entry.x, x2)),
     ("seqlens.fill_ (rewinds)", lambda: entry.seqlens.fill_(L)),
     ("graph.replay", lambda: entry.graph.replay()),
