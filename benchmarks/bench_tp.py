@@ -6,7 +6,8 @@ Per prefill: the single-GPU step (TP=1, rank 0, MLADecoder on the full
 weights) and the sharded step on all ranks, both timed as the task harness
 times (synchronize, wall clock, call, synchronize; repeated calls on one
 cache; ranks aligned by a barrier before each call, outside the timing), and
-the all-reduce of y alone (fp32 [bs, dim], device events). Median of --iters.
+the reduction of y alone (TPDecoder.reduce: one bf16 all-reduce for two NCCL
+ranks, else fp32; device events). Median of --iters.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set)."""
 
 import argparse
@@ -71,8 +72,8 @@ def main():
         tn = wall(lambda: tp(x, kv), args.iters, aligned=True)
         tpart = wall(lambda: tp.partial(x, kv), args.iters, aligned=True)  # this rank's share, no all-reduce
         tdev = time_events(lambda: tp(x, kv), iters=args.iters) * 1e3     # device time of a whole step
-        y = torch.zeros(args.bs, config.dim, device=dev)
-        ar = time_events(lambda: dist.all_reduce(y), iters=args.iters) * 1e3
+        y = torch.zeros(args.bs, config.dim, dtype=torch.bfloat16, device=dev)
+        ar = time_events(lambda: tp.reduce(y), iters=args.iters) * 1e3  # the step's own reduction of y
         got = [None] * world
         dist.all_gather_object(got, (tn, tpart, tdev))
         if rank == 0:

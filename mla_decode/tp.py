@@ -7,7 +7,8 @@ KV_proj_down_weight are replicated, and so is the latent cache (every rank
 appends the same new row). Each rank runs the single-GPU decoder on its heads
 and produces a partial y = o_r wo_r^T; one all-reduce (sum) gives the full y
 on every rank. The bf16 partials are summed in fp32 and the sum rounded to
-bf16 once (not once per addition).
+bf16 once (not once per addition); with two NCCL ranks that is one bf16
+all-reduce (TPDecoder.reduce).
 
     import torch.distributed as dist
     dist.init_process_group("nccl")          # RCCL on ROCm builds; "gloo" on the CPU
@@ -78,8 +79,19 @@ class TPDecoder:
 
     def __call__(self, x, kv_cache):
         y, data = self.partial(x, kv_cache)
+        return self.reduce(y), data
+
+    def reduce(self, y):
+        """The sum over ranks of the bf16 partial y, rounded to bf16 once.
+        Two ranks on NCCL: one bf16 all-reduce (each element is the rounded
+        sum of two bf16 values, computed in fp32: the same as summing in fp32
+        and rounding; half the bytes and no conversion launches). Otherwise
+        the partials are summed in fp32 and rounded at the end."""
         if self.tp == 1:
-            return y, data
+            return y
+        if self.tp == 2 and dist.get_backend(self.group) == "nccl":
+            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
+            return y
         acc = y.float()
         dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
-        return acc.to(torch.bfloat16), data
+        return acc.to(torch.bfloat16)
