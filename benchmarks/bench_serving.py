@@ -3,7 +3,7 @@ b=128, one KV head, h_q in 16..128, s_q 1 and 2, variable lengths
 (normal(mean, mean/2), at least s_q) with mean 4096, 8192, 16384, paged cache
 (block 64; 16 and 1 for the block-size comparison at h_q=128, s_q=1).
 
-    python benchmarks/bench_serving.py [--means 4096 8192 16384] [--json FILE]
+    python benchmarks/bench_serving.py [--means 4096 8192 16384] [--heads ...] [--dtype bf16|fp16] [--json FILE]
 
 Device events, median of many calls (the metadata computed once, outside).
 us, TFLOP/s, GB/s and % of the attention floor max(bytes/BW, FLOPs/peak)."""
@@ -22,7 +22,7 @@ from mla_decode import roofline  # noqa: E402
 from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
 
 
-def paged_cache(lens, block_size, gen):
+def paged_cache(lens, block_size, gen, dtype):
     b = len(lens)
     used = [(L + block_size - 1) // block_size for L in lens]
     total = sum(used)
@@ -32,7 +32,7 @@ def paged_cache(lens, block_size, gen):
     for i, n in enumerate(used):
         table[i, :n] = ids[off:off + n]
         off += n
-    k_cache = torch.randn(total, block_size, 1, 576, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(total, block_size, 1, 576, device="cuda", dtype=dtype)
     return k_cache, table.cuda()
 
 
@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--b", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--json")
     args = ap.parse_args()
     why = kernels_or_reason("bench_serving")
@@ -50,7 +51,9 @@ def main():
         return 1
     name = device_name()
     peaks = roofline.peaks_for(name)
-    print(f"# serving API (flash_mla_with_kvcache) | {mla_decode.backend()} | b={args.b} h_kv=1 d=576 dv=512")
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    print(f"# serving API (flash_mla_with_kvcache) | {mla_decode.backend()} | b={args.b} h_kv=1 d=576 dv=512 "
+          f"| {args.dtype}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for mean in args.means:
@@ -61,11 +64,11 @@ def main():
             for block_size in (64, 16, 1):
                 if block_size != 64 and s_q != 1:
                     continue
-                k_cache, table = paged_cache(lens, block_size, gen)
+                k_cache, table = paged_cache(lens, block_size, gen, dtype)
                 for h_q in args.heads:
                     if block_size != 64 and h_q != 128:
                         continue
-                    q = torch.randn(args.b, s_q, h_q, 576, device="cuda", dtype=torch.bfloat16)
+                    q = torch.randn(args.b, s_q, h_q, 576, device="cuda", dtype=dtype)
                     meta, splits = mla_decode.get_mla_metadata(seqlens, s_q * h_q, 1)
 
                     def call():
@@ -75,7 +78,8 @@ def main():
                     us = time_events(call, iters=args.iters) * 1e3
                     fl = 2 * sum(lens) * s_q * h_q * (576 + 512)
                     by = 2 * sum(lens) * 576 + 2 * args.b * s_q * h_q * (576 + 512) + 4 * args.b * s_q * h_q
-                    row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, **rates(us, fl, by, peaks))
+                    row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, dtype=args.dtype,
+                               **rates(us, fl, by, peaks))
                     rows.append(row)
                     print(f"  mean={mean:>5} s_q={s_q} h_q={h_q:>3} block={block_size:>2}: {us:8.1f} us "
                           f"{row['tflops']:6.1f} TFLOP/s {row['gbs']:6.0f} GB/s "

@@ -23,8 +23,8 @@ Differences a caller should know:
   block tables change in place.
 - A sequence of length 0 gives out = 0 and lse = -inf (log of an empty sum),
   never NaN.
-- Supported today: bf16, head_dim 576, head_dim_v 512, one KV head. fp16 is
-  not implemented yet and raises (no silent conversion).
+- Supported: bf16 and fp16 (q and k_cache of one dtype; out in it, lse
+  fp32), head_dim 576, head_dim_v 512, one KV head.
 """
 
 from __future__ import annotations
@@ -72,9 +72,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
 
     Returns (out [b, s_q, h_q, 512] in q's dtype, lse [b, h_q, s_q] fp32)."""
     require_kernels(q.device)
-    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
-        raise TypeError(f"q and k_cache must be bfloat16 (fp16 is not implemented yet), got {q.dtype} and "
-                        f"{k_cache.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        raise TypeError(f"q and k_cache must both be bfloat16 or both float16, got {q.dtype} and {k_cache.dtype}")
     if q.dim() != 4 or q.shape[-1] != _D:
         raise ValueError(f"q must have shape [b, s_q, h_q, {_D}], got {list(q.shape)}")
     if head_dim_v != _DV:

@@ -239,3 +239,23 @@ def test_kpe_checks():
         mla_attention(q, kv, seqlens, 0.1, kpe=kpe[:1])
     with pytest.raises(TypeError, match="kpe"):
         mla_attention(q, kv, seqlens, 0.1, kpe=kpe.float())
+
+
+@pytest.mark.parametrize("lens", [[1, 65, 777], [4097, 2049], [0, 64, 513]])
+def test_attention_fp16(lens):
+    """fp16 q and cache (out in fp16), against float64; the rotated-key
+    buffer in fp16 too; RoPE on the fly is bf16 only and says so."""
+    q, kv, seqlens = make_case(lens, max_seq=max(lens) + 3, seed=len(lens) + sum(lens))
+    q, kv = q.half(), kv.half()
+    out = torch.full((len(lens), 1, 128, 512), float("nan"), dtype=torch.float16, device="cuda")
+    lse = torch.full((len(lens), 128, 1), float("nan"), device="cuda")
+    mla_attention(q, kv, seqlens, 0.07, out=out, lse=lse)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07)
+    check(out, lse, ro, rl, f"fp16 lens={lens}")
+    out2, lse2 = mla_attention(q, kv, seqlens, 0.07, kpe=kv[:, :, 512:])
+    assert out2.dtype == torch.float16
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    with pytest.raises(TypeError, match="bf16 only"):
+        mla_attention(q, kv, seqlens, 0.07, rope_cs=rope_table(kv.shape[1], device="cuda"))
+    with pytest.raises(TypeError, match="kv \\(the same dtype as q\\)"):
+        mla_attention(q, kv.bfloat16(), seqlens, 0.07)

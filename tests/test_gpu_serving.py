@@ -2,7 +2,7 @@
 manner of FlashMLA's own test: variable lengths (mean 4096, spread 2048),
 paged cache in a random block order, NaN in every unused block, every tail
 and every unused block-table slot (invalid ids), out and lse against an fp32
-evaluation."""
+evaluation; bf16 and fp16."""
 
 import random
 
@@ -23,14 +23,16 @@ def varlen(b, mean, s_q, seed):
     return [max(int(rnd.normalvariate(mean, mean / 2)), s_q) for _ in range(b)]
 
 
-def run_case(lens, block_size, h_q, s_q, causal, seed):
+def run_case(lens, block_size, h_q, s_q, causal, seed, dtype=torch.bfloat16):
     q, pages, table, seqlens = make_paged(lens, block_size, h_q=h_q, s_q=s_q, seed=seed)
+    q, pages = q.to(dtype), pages.to(dtype)
     k_cache = pages.unsqueeze(2)  # [num_blocks, block_size, 1, 576], FlashMLA's layout
     meta, splits = get_mla_metadata(seqlens, s_q * h_q, 1)
     out, lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits, causal=causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32
     ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, causal=causal,
                                  dtype=torch.float32)
-    check(out, lse, ro.double(), rl.double(), f"b={len(lens)} block={block_size} h_q={h_q} s_q={s_q}")
+    check(out, lse, ro.double(), rl.double(), f"b={len(lens)} block={block_size} h_q={h_q} s_q={s_q} {dtype}")
     return out, lse, splits
 
 
@@ -40,6 +42,12 @@ def run_case(lens, block_size, h_q, s_q, causal, seed):
 def test_serving_varlen(block_size, h_q, s_q):
     lens = varlen(16, 4096, s_q, seed=block_size * 7 + h_q + s_q)
     run_case(lens, block_size, h_q, s_q, causal=s_q > 1, seed=block_size + h_q)
+
+
+@pytest.mark.parametrize("block_size,h_q,s_q", [(64, 128, 1), (1, 128, 1), (16, 64, 2), (32, 16, 4)])
+def test_serving_varlen_fp16(block_size, h_q, s_q):
+    lens = varlen(16, 4096, s_q, seed=block_size * 5 + h_q + s_q)
+    run_case(lens, block_size, h_q, s_q, causal=s_q > 1, seed=block_size + h_q + 1, dtype=torch.float16)
 
 
 def test_serving_flashmla_batch():
@@ -100,8 +108,10 @@ def test_serving_bad_inputs():
     q, pages, table, seqlens = make_paged([10, 20], 16, h_q=16, seed=3)
     k_cache = pages.unsqueeze(2)
     meta, splits = get_mla_metadata(seqlens, 16, 1)
-    with pytest.raises(TypeError, match="fp16 is not implemented yet"):
-        flash_mla_with_kvcache(q.half(), k_cache.half(), table, seqlens, 512, meta, splits)
+    with pytest.raises(TypeError, match="must both be bfloat16 or both float16"):
+        flash_mla_with_kvcache(q.half(), k_cache, table, seqlens, 512, meta, splits)
+    with pytest.raises(TypeError, match="must both be bfloat16 or both float16"):
+        flash_mla_with_kvcache(q.float(), k_cache.float(), table, seqlens, 512, meta, splits)
     with pytest.raises(ValueError, match=r"head_dim_v must be 512 \(supported: head_dim 576"):
         flash_mla_with_kvcache(q, k_cache, table, seqlens, 256, meta, splits)
     with pytest.raises(ValueError, match="num_heads_k must be 1"):

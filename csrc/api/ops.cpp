@@ -81,9 +81,9 @@ struct KvLayout {
 };
 
 KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_table, int64_t bs,
-                  const at::Device& dev) {
+                  const at::Device& dev, at::ScalarType dtype) {
   check_device(kv, "kv", dev);
-  check_dtype(kv, "kv", at::kBFloat16);
+  check_dtype(kv, "kv (the same dtype as q)", dtype);
   check_last_dim_contiguous(kv, "kv");
   KvLayout l{};
   if (block_table.has_value()) {
@@ -168,10 +168,13 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   check_device(seqlens, "seqlens", dev);
   check_device(out, "out", dev);
   check_device(lse, "lse", dev);
-  // dtype
-  check_dtype(q, "q", at::kBFloat16);
+  // dtype: bf16 or fp16 (q, kv, kpe and out alike)
+  const at::ScalarType elt = q.scalar_type();
+  if (elt != at::kBFloat16 && elt != at::kHalf)
+    fail_type("q must be torch.bfloat16 or torch.float16, got " + std::string(c10::toString(elt)));
+  const bool f16 = elt == at::kHalf;
   check_dtype(seqlens, "seqlens", at::kInt);
-  check_dtype(out, "out", at::kBFloat16);
+  check_dtype(out, "out (the same dtype as q)", elt);
   check_dtype(lse, "lse", at::kFloat);
   // layout and shape
   check_shape(q, "q", {-1, -1, -1, kD}, "[bs, s_q, h_q, 576]");
@@ -181,7 +184,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   if (s_q != 1 && q.stride(1) != h_q * q.stride(2))
     fail_value("q must have its (s_q, h_q) dimensions laid out densely (stride(1) == h_q * stride(2)), got strides " +
                list_str(q.strides()));
-  const KvLayout kl = check_kv(kv, block_table, bs, dev);
+  const KvLayout kl = check_kv(kv, block_table, bs, dev, elt);
   check_shape(seqlens, "seqlens", {bs}, "[bs]");
   check_contiguous(seqlens, "seqlens");
   check_shape(out, "out", {bs, s_q, h_q, kDv}, "[bs, s_q, h_q, 512]");
@@ -189,6 +192,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   check_shape(lse, "lse", {bs, h_q, s_q}, "[bs, h_q, s_q]");
   check_contiguous(lse, "lse");
   if (rope_cs.has_value()) {
+    if (f16) fail_type("rope_cs (the keys' RoPE on the fly) is implemented for bf16 only; q is float16");
     check_device(*rope_cs, "rope_cs", dev);
     check_dtype(*rope_cs, "rope_cs", at::kBFloat16);
     check_contiguous(*rope_cs, "rope_cs");
@@ -199,7 +203,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   }
   if (kpe.has_value()) {
     check_device(*kpe, "kpe", dev);
-    check_dtype(*kpe, "kpe", at::kBFloat16);
+    check_dtype(*kpe, "kpe (the same dtype as q)", elt);
     check_last_dim_contiguous(*kpe, "kpe");
     if (block_table.has_value()) fail_value("kpe (separate rope keys) is not supported with a block table");
     check_shape(*kpe, "kpe", {bs, -1, kRope}, "[bs, >= max_seq_len, 64]");
@@ -250,6 +254,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.rope = static_cast<int>(kRope);
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
+  ap.f16 = f16;
   check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
                                                 : launch_attention_576_512(ap, stream),
                "attention launch");
@@ -266,6 +271,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   cp.h_q = ap.h_q;
   cp.rows = ap.rows;
   cp.dv = static_cast<int>(kDv);
+  cp.f16 = f16;
   check_launch(launch_combine(cp, stream), "combine launch");
 }
 
@@ -311,6 +317,7 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   cp.h_q = static_cast<int>(h_q);
   cp.rows = static_cast<int>(s_q * h_q);
   cp.dv = static_cast<int>(kDv);
+  cp.f16 = false;
   check_launch(launch_combine(cp, at::cuda::getCurrentCUDAStream().stream()), "combine launch");
   return {out, lse};
 }

@@ -1,4 +1,4 @@
-// The tile-MMA interface: one 16x16x16 bf16 -> fp32 warp tile.
+// The tile-MMA interface: one 16x16x16 bf16 (or fp16) -> fp32 warp tile.
 // Kernel bodies use only what is declared here:
 //
 //   FragA, FragB, FragC          register fragments of A[16][16], B[16][16], C[16][16]
@@ -6,7 +6,7 @@
 //   load_a_global(FragA&, p, ld, rows_valid)  same from global memory, rows >= rows_valid read as 0
 //   load_b_nk(FragB&, p, ld)     B given as [n][k] in shared memory (a K tile: keys are rows)
 //   load_b_kn(FragB&, p, ld)     B given as [k][n] in shared memory (a V tile)
-//   mma(FragC&, FragA, FragB)    C += A * B
+//   mma<kF16>(FragC&, FragA, FragB)  C += A * B (bf16, or fp16 with kF16)
 //   kCElems, c_row(lane, i), c_col(lane, i)   which C element lane holds in slot i
 //
 // `ld` is the row stride in elements. Two implementations live beside this

@@ -1,4 +1,4 @@
-// Tile-MMA implementation for AMD gfx942: v_mfma_f32_16x16x16bf16_1k, wave64.
+// Tile-MMA implementation for AMD gfx942: v_mfma_f32_16x16x16bf16_1k (or f16), wave64.
 // Layouts (CDNA3 ISA, matrix instruction calculator): lane l holds
 //   A[l%16][4*(l/16) + 0..3], B[4*(l/16) + 0..3][l%16], C[4*(l/16) + 0..3][l%16].
 #pragma once
@@ -48,9 +48,17 @@ MLA_DEVICE void load_b_kn(FragB& b, const bf16_t* p, int ld) {
   b.r[3] = static_cast<short>(q[3 * ld]);
 }
 
+using half4_t = __attribute__((ext_vector_type(4))) _Float16;
+
+// C += A * B; kF16: the fragments hold fp16 (v_mfma_f32_16x16x16f16), else bf16.
+template <bool kF16 = false>
 MLA_DEVICE void mma(FragC& c, const FragA& a, const FragB& b) {
   float4_t acc = {c.v[0], c.v[1], c.v[2], c.v[3]};
-  acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a.r, b.r, acc, 0, 0, 0);
+  if constexpr (kF16)
+    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(half4_t, a.r), __builtin_bit_cast(half4_t, b.r),
+                                                acc, 0, 0, 0);
+  else
+    acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a.r, b.r, acc, 0, 0, 0);
   c.v[0] = acc[0];
   c.v[1] = acc[1];
   c.v[2] = acc[2];

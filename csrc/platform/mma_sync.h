@@ -61,17 +61,23 @@ MLA_DEVICE void load_b_kn(FragB& b, const bf16_t* p, int ld) {
   ldmatrix_x4_trans(b.r, p + (lane & 15) * ld + 8 * (lane >> 4));
 }
 
+#define MLA_MMA_SYNC_M16N8K16(TYPE, c0, c1, c2, c3, b0, b1)                                      \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                   \
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                          \
+               : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)                                         \
+               : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b0), "r"(b1))
+
+// C += A * B; kF16: the fragments hold fp16, else bf16.
+template <bool kF16 = false>
 MLA_DEVICE void mma(FragC& c, const FragA& a, const FragB& b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c.v[0]), "+f"(c.v[1]), "+f"(c.v[2]), "+f"(c.v[3])
-      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c.v[4]), "+f"(c.v[5]), "+f"(c.v[6]), "+f"(c.v[7])
-      : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[2]), "r"(b.r[3]));
+  if constexpr (kF16) {
+    MLA_MMA_SYNC_M16N8K16("f16", c.v[0], c.v[1], c.v[2], c.v[3], b.r[0], b.r[1]);
+    MLA_MMA_SYNC_M16N8K16("f16", c.v[4], c.v[5], c.v[6], c.v[7], b.r[2], b.r[3]);
+  } else {
+    MLA_MMA_SYNC_M16N8K16("bf16", c.v[0], c.v[1], c.v[2], c.v[3], b.r[0], b.r[1]);
+    MLA_MMA_SYNC_M16N8K16("bf16", c.v[4], c.v[5], c.v[6], c.v[7], b.r[2], b.r[3]);
+  }
 }
+#undef MLA_MMA_SYNC_M16N8K16
 
 }  // namespace mla::mma

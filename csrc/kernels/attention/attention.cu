@@ -11,10 +11,13 @@
 // sequence are zero-filled (so NaN in unused cache rows never reaches P V)
 // and masked to -inf in the scores. RoPE of the keys is applied in shared
 // memory, with the caller's bf16 cos/sin table, exactly as the task rounds it.
+#include <algorithm>
+
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
 #include "../../platform/mma.h"
 #include "../../platform/vendor.h"
+
 #include "attention.h"
 #include "part.h"
 
@@ -72,8 +75,10 @@ MLA_DEVICE const bf16_t* kv_row(const AttnParams& p, int b, int t) {
   return p.kv + page * p.kv_page_stride + (t % p.page_size) * p.kv_row_stride;
 }
 
-template <typename T>
+// kF16: q, kv and o hold fp16 (else bf16).
+template <typename T, bool kF16>
 __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnParams p) {
+  using E = Half16<kF16>;
   extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
   bf16_t* kv_s = reinterpret_cast<bf16_t*>(smem);
   float* s_s = reinterpret_cast<float*>(smem + T::kKvBytes);
@@ -155,7 +160,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
 
     bf16_t* kt = kv_s + (j % T::kStages) * T::kBN * T::kLd;
     const int key0 = (tile_begin + j) * T::kBN;
-    if (p.rope_cs != nullptr) {
+    if (!kF16 && p.rope_cs != nullptr) {  // (bf16 only; the host refuses rope_cs with fp16)
       // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to bf16
       constexpr int kHalf = T::kRope / 2;
       for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
@@ -185,7 +190,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
         for (int n = 0; n < T::kSTiles; ++n) {
           mma::FragB bfr;
           mma::load_b_nk(bfr, kb + n * 16 * T::kLd + ks * 16, T::kLd);
-          mma::mma(sacc[n], qf[ks], bfr);
+          mma::mma<kF16>(sacc[n], qf[ks], bfr);
         }
       }
       float* sw = s_s + (wn * T::kM + wm * 16) * T::kBN;
@@ -221,8 +226,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
       uint32_t* pw = reinterpret_cast<uint32_t*>(p_w + srow * T::kPLd + c0);
 #pragma unroll
       for (int c = 0; c < T::kColsPerLane; c += 2) {
-        const uint32_t w2 = pack_bf16x2(fast_exp2(sv[c] - m_use), fast_exp2(sv[c + 1] - m_use));
-        sum += bf16_lo(w2) + bf16_hi(w2);  // the sum of what P V multiplies
+        const uint32_t w2 = E::pack2(fast_exp2(sv[c] - m_use), fast_exp2(sv[c + 1] - m_use));
+        sum += E::lo(w2) + E::hi(w2);  // the sum of what P V multiplies
         pw[c / 2] = w2;
       }
 #pragma unroll
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
       for (int n = 0; n < T::kNTiles; ++n) {
         mma::FragB vf;
         mma::load_b_kn(vf, vb + kk * 16 * T::kLd + n * 16, T::kLd);
-        mma::mma(o[n], pa, vf);
+        mma::mma<kF16>(o[n], pa, vf);
       }
     }
     sync_warp();  // P and alpha of this warp are overwritten next tile
@@ -279,9 +284,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
       for (int n = 0; n < T::kNTiles; ++n) {
         const int c = n * 16 + mma::c_col(lane, i);
         if constexpr (mma::kCPairedCols) {
-          *reinterpret_cast<uint32_t*>(orow + c) = pack_bf16x2(o[n].v[i] * sc, o[n].v[i + 1] * sc);
+          *reinterpret_cast<uint32_t*>(orow + c) = E::pack2(o[n].v[i] * sc, o[n].v[i + 1] * sc);
         } else {
-          orow[c] = float_to_bf16(o[n].v[i] * sc);
+          orow[c] = E::from_float(o[n].v[i] * sc);
         }
       }
     }
@@ -381,7 +386,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
 // One warp per query row: merge the splits by their LSE.
 constexpr int kCombineWarps = 4;
 
-template <int kDv>
+template <int kDv, bool kF16>
 __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const CombineParams p) {
   const int b = block_x();
   const int n = p.seq_info[2 * b];
@@ -416,7 +421,7 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
   }
   bf16_t* dst = p.o + (static_cast<int64_t>(b) * p.rows + r) * kDv;
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) dst[k * kWarpSize + lane] = float_to_bf16(acc[k]);
+  for (int k = 0; k < kPer; ++k) dst[k * kWarpSize + lane] = Half16<kF16>::from_float(acc[k]);
   if (lane == 0) {
     const int i = r / p.h_q, h = r % p.h_q;
     p.lse[(static_cast<int64_t>(b) * p.h_q + h) * p.s_q + i] = lse;
@@ -427,13 +432,15 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
 
 template <typename T>
 const char* kernel_info(AttnKernelInfo* info) {
-  if (const char* e = set_max_dynamic_smem(attention_kernel<T>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_kernel<T, false>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_kernel<T, true>, T::kSmem)) return e;
   info->rows_per_block = T::kM;
   info->tile = T::kBN;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  info->blocks_per_sm = max_active_blocks(attention_kernel<T>, T::kThreads, T::kSmem);
+  info->blocks_per_sm = std::min(max_active_blocks(attention_kernel<T, false>, T::kThreads, T::kSmem),
+                                 max_active_blocks(attention_kernel<T, true>, T::kThreads, T::kSmem));
   if (info->blocks_per_sm <= 0) return "attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }
@@ -449,9 +456,13 @@ const char* launch_plan(const PlanParams& p, stream_t stream) {
 template <typename T>
 const char* launch_tile(const AttnParams& p, stream_t stream) {
   if (p.rope != T::kRope) return "launch_attention: rope width must be 64 for D=576, Dv=512";
+  if (p.f16 && p.rope_cs != nullptr) return "launch_attention: on-the-fly key RoPE is bf16 only";
   const int head_blocks = (p.rows + T::kM - 1) / T::kM;
   dim3 grid(head_blocks, p.max_parts);
-  attention_kernel<T><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+  if (p.f16)
+    attention_kernel<T, true><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+  else
+    attention_kernel<T, false><<<grid, T::kThreads, T::kSmem, stream>>>(p);
   return last_launch_error();
 }
 
@@ -461,7 +472,10 @@ const char* launch_combine(const CombineParams& p, stream_t stream) {
   dim3 grid(p.bs, (p.rows + kCombineWarps - 1) / kCombineWarps);
   switch (p.dv) {
     case 512:
-      combine_kernel<512><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
+      if (p.f16)
+        combine_kernel<512, true><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
+      else
+        combine_kernel<512, false><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
       break;
     default:
       return "launch_combine: unsupported value width (supported: 512)";

@@ -60,29 +60,31 @@ enum : int { kBarM0 = 1, kBarM1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg0 = 5 /* 6: w
 enum : int { kMbK0a = 0, kMbK0b = 1, kMbK1a = 2, kMbK1b = 3 };
 
 // S k-steps [K0, K1) of 36: Q block k/4, 32-byte step k%4, all compile-time.
-template <int K0, int K1>
+template <int K0, int K1, bool kF16>
 MLA_DEVICE void s_steps(float (&s)[32], uint64_t dq, uint64_t dk) {
 #pragma unroll
   for (int k = K0; k < K1; ++k) {
     constexpr int kB = PairTile::kBlockBytes;
     const uint32_t off = (k >> 2) * kB + (k & 3) * 32;
-    wg::wgmma_m64n64k16_ss(s, dq + (off >> 4), dk + (off >> 4), k > 0 ? 1 : 0);
+    wg::wgmma_m64n64k16_ss<kF16>(s, dq + (off >> 4), dk + (off >> 4), k > 0 ? 1 : 0);
   }
 }
 
 // O += P V over 64 keys: P from registers (the S accumulator layout is the A layout).
+template <bool kF16>
 MLA_DEVICE void pv_regs(float (&o)[128], const uint32_t (&pa)[16], uint64_t dv) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     const uint32_t a[4] = {pa[4 * kk + 0], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-    wg::wgmma_m64n256k16_rs_tb(o, a, dv + ((kk * 16 * 128) >> 4));
+    wg::wgmma_m64n256k16_rs_tb<kF16>(o, a, dv + ((kk * 16 * 128) >> 4));
   }
 }
 
 // O += P V over 64 keys: P from shared memory (K-major, 128B-swizzled, 64 x 64).
+template <bool kF16>
 MLA_DEVICE void pv_smem(float (&o)[128], uint64_t dp, uint64_t dv) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wg::wgmma_m64n256k16_ss_tb(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+  for (int kk = 0; kk < 4; ++kk) wg::wgmma_m64n256k16_ss_tb<kF16>(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
 }
 
 MLA_DEVICE void scale_rows(float (&o)[128], float a0, float a1) {
@@ -116,6 +118,7 @@ MLA_DEVICE void mask_scale_max(float (&s)[32], int key0, int t4, int lim0, int l
 
 // s <- exp2(s - m) (fp32, kept), pa <- bf16 pairs of it; returns the row sums
 // of what P V multiplies (the bf16 values).
+template <bool kF16>
 MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1, float& sum0, float& sum1) {
   const float mu0 = m0 == neg_inf() ? 0.f : m0, mu1 = m1 == neg_inf() ? 0.f : m1;
   sum0 = 0.f;
@@ -126,8 +129,8 @@ MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1,
     const float mu = hi ? mu1 : mu0;
     s[i] = fast_exp2(s[i] - mu);
     s[i + 1] = fast_exp2(s[i + 1] - mu);
-    const uint32_t w2 = pack_bf16x2(s[i], s[i + 1]);
-    const float s2 = bf16_lo(w2) + bf16_hi(w2);
+    const uint32_t w2 = Half16<kF16>::pack2(s[i], s[i + 1]);
+    const float s2 = Half16<kF16>::lo(w2) + Half16<kF16>::hi(w2);
     if (hi) sum1 += s2; else sum0 += s2;
     pa[i / 2] = w2;
   }
@@ -144,11 +147,12 @@ MLA_DEVICE float rescale(float from, float to) { return from == neg_inf() ? 0.f 
 
 // One online-softmax step of a warpgroup: rows moved to maxima n0 / n1; P
 // into s (fp32, kept) and pa (bf16), row sums and O rescaled to the new max.
+template <bool kF16>
 MLA_DEVICE void softmax_step(float (&s)[32], uint32_t (&pa)[16], float (&o)[128], float n0, float n1, float& m_a,
                              float& m_b, float& l_a, float& l_b) {
   const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
   float sum0, sum1;
-  exp_pack(s, pa, n0, n1, sum0, sum1);
+  exp_pack<kF16>(s, pa, n0, n1, sum0, sum1);
   l_a = l_a * c0 + sum0;
   l_b = l_b * c1 + sum1;
   m_a = n0;
@@ -169,9 +173,12 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+// kF16: q, kv and o hold fp16 (else bf16; on-the-fly key RoPE only then).
+template <bool kF16>
 __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = PairTile;
+  using E = Half16<kF16>;
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));  // swizzle atoms: 1 KB
@@ -242,7 +249,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
 
   // ---- key RoPE of half h of pair jp, in place in its block 8: thread
   // (row t/2, hh = t%2) rotates pairs (j, j + 32) for j in [16 hh, 16 hh + 16).
-  const bool rope = p.rope_cs != nullptr;
+  const bool rope = !kF16 && p.rope_cs != nullptr;  // (the host refuses rope_cs with fp16)
   auto rotate_half = [&](int jp, int h) {
     const int row = t / 2, hh = t % 2;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
@@ -302,17 +309,17 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     wg::mbar_wait(&mb[wg == 0 ? kMbK0a : kMbK1a], par);
     wg::fence_proxy_async();
     wg::fence();
-    s_steps<0, 16>(s, dq, dk);
+    s_steps<0, 16, kF16>(s, dq, dk);
     wg::commit();
     between();
     wg::mbar_wait(&mb[wg == 0 ? kMbK0b : kMbK1b], par);
     wg::fence_proxy_async();
     wg::fence();  // after the (per-thread) wait loop: else ptxas inserts one and serializes
-    s_steps<16, 32>(s, dq, dk);
+    s_steps<16, 32, kF16>(s, dq, dk);
     wg::commit();
     if (rope) rotate_half(jp, wg);
     wg::fence();
-    s_steps<32, 36>(s, dq, dk);
+    s_steps<32, 36, kF16>(s, dq, dk);
     wg::commit();
   };
 
@@ -372,11 +379,11 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
         s_m[r0] = n0;
         s_m[r1] = n1;
       }
-      softmax_step(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
+      softmax_step<kF16>(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       wg::named_arrive(kBarM0, 256);
       // O_L += P0 V0L
       wg::fence();
-      pv_regs(o, pa, dv0);
+      pv_regs<kF16>(o, pa, dv0);
       wg::commit();
       wg::wait<0>();
       if (more) load_half(jp + 1, 0, 0, 4, false, kMbK0a);  // K0 blocks 0-3: read by nothing else now
@@ -387,7 +394,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
         const float d = (i & 2) ? d1 : d0;
-        pa[i / 2] = pack_bf16x2(s[i] * d, s[i + 1] * d);
+        pa[i / 2] = E::pack2(s[i] * d, s[i + 1] * d);
       }
       store_p(p_mine, pa, r0, r1, t4);
       wg::fence_proxy_async();
@@ -401,7 +408,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       scale_rows(o, d0, d1);
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_smem(o, dp_other, dv1);
+        pv_smem<kF16>(o, dp_other, dv1);
         wg::commit();
       }
       if (more) {
@@ -424,19 +431,19 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
         s_m[r1] = n1;
       }
       wg::named_arrive(kBarM1, 256);
-      softmax_step(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
+      softmax_step<kF16>(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       store_p(p_mine, pa, r0, r1, t4);
       wg::fence_proxy_async();
       wg::named_arrive(kBarP1, 256);
       // O_R += P1 V1R, then += P0' V0R once warpgroup 0 has stored P0'
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_regs(o, pa, dv1);
+        pv_regs<kF16>(o, pa, dv1);
         wg::commit();
       }
       wg::named_sync(kBarP0, 256);
       wg::fence();
-      pv_smem(o, dp_other, dv0);
+      pv_smem<kF16>(o, dp_other, dv0);
       wg::commit();
       wg::wait<1>();  // P1 V1R done: K1 blocks 4-7 are free
       if (more) load_half(jp + 1, 1, 4, 8, false, kMbK1b);
@@ -479,7 +486,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       bf16_t* orow = p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv + col0;
 #pragma unroll
       for (int jn = 0; jn < 32; ++jn)
-        *reinterpret_cast<uint32_t*>(orow + 8 * jn) = pack_bf16x2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+        *reinterpret_cast<uint32_t*>(orow + 8 * jn) = E::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
     }
   } else {
     const int64_t prow = static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
@@ -504,13 +511,16 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
 
 const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
   using T = PairTile;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true>, T::kSmem)) return e;
   info->rows_per_block = T::kM;
   info->tile = T::kTileKeys;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  info->blocks_per_sm = max_active_blocks(attention_sm90_kernel, T::kThreads, T::kSmem);
+  const int bf = max_active_blocks(attention_sm90_kernel<false>, T::kThreads, T::kSmem);
+  const int hf = max_active_blocks(attention_sm90_kernel<true>, T::kThreads, T::kSmem);
+  info->blocks_per_sm = bf < hf ? bf : hf;
   if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }
@@ -518,8 +528,12 @@ const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   using T = PairTile;
   if (p.rope != T::kRope) return "launch_attention_sm90: rope width must be 64";
+  if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
   dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
-  attention_sm90_kernel<<<grid, T::kThreads, T::kSmem, stream>>>(p);
+  if (p.f16)
+    attention_sm90_kernel<true><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+  else
+    attention_sm90_kernel<false><<<grid, T::kThreads, T::kSmem, stream>>>(p);
   return last_launch_error();
 }
 

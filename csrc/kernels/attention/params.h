@@ -45,6 +45,7 @@ struct AttnParams {
   int rope;                   // rope width inside D (the last `rope` columns of the key)
   float scale_log2;           // softmax_scale * log2(e)
   bool causal;                // s_q > 1: query i sees positions < L - (s_q - 1 - i)
+  bool f16;                   // q, kv, kpe and o hold fp16 (else bf16); on-the-fly RoPE is bf16 only
 };
 
 // Combine: merge the split partials of every sequence that was split.
@@ -56,6 +57,7 @@ struct CombineParams {
   bf16_t* o;                  // [bs, rows, Dv]  (= [bs, s_q, h_q, Dv])
   float* lse;                 // [bs, h_q, s_q]
   int bs, s_q, h_q, rows, dv;
+  bool f16;                   // o is fp16 (else bf16)
 };
 
 }  // namespace mla
