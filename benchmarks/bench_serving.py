@@ -22,11 +22,11 @@ from mla_decode import roofline  # noqa: E402
 from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
 
 
-def paged_cache(lens, block_size, gen, dtype):
+def paged_cache(lens, block_size, gen, dtype, order="random"):
     b = len(lens)
     used = [(L + block_size - 1) // block_size for L in lens]
     total = sum(used)
-    ids = torch.randperm(total, generator=gen).to(torch.int32)
+    ids = (torch.randperm(total, generator=gen) if order == "random" else torch.arange(total)).to(torch.int32)
     table = torch.zeros(b, max(used), dtype=torch.int32)
     off = 0
     for i, n in enumerate(used):
@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--b", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--table", choices=["random", "sorted"], default="random",
+                    help="page order: a random permutation (FlashMLA's test) or pages in order")
     ap.add_argument("--json")
     args = ap.parse_args()
     why = kernels_or_reason("bench_serving")
@@ -53,7 +55,7 @@ def main():
     peaks = roofline.peaks_for(name)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     print(f"# serving API (flash_mla_with_kvcache) | {mla_decode.backend()} | b={args.b} h_kv=1 d=576 dv=512 "
-          f"| {args.dtype}")
+          f"| {args.dtype} | pages {args.table}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for mean in args.means:
@@ -64,7 +66,7 @@ def main():
             for block_size in (64, 16, 1):
                 if block_size != 64 and s_q != 1:
                     continue
-                k_cache, table = paged_cache(lens, block_size, gen, dtype)
+                k_cache, table = paged_cache(lens, block_size, gen, dtype, args.table)
                 for h_q in args.heads:
                     if block_size != 64 and h_q != 128:
                         continue
@@ -78,7 +80,7 @@ def main():
                     us = time_events(call, iters=args.iters) * 1e3
                     fl = 2 * sum(lens) * s_q * h_q * (576 + 512)
                     by = 2 * sum(lens) * 576 + 2 * args.b * s_q * h_q * (576 + 512) + 4 * args.b * s_q * h_q
-                    row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, dtype=args.dtype,
+                    row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, dtype=args.dtype, table=args.table,
                                **rates(us, fl, by, peaks))
                     rows.append(row)
                     print(f"  mean={mean:>5} s_q={s_q} h_q={h_q:>3} block={block_size:>2}: {us:8.1f} us "

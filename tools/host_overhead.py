@@ -96,6 +96,22 @@ if len(sys.argv) > 2:
         print(name)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
+# the eager step (no graph): host time per call and the harness-style wall clock
+de = mla_decode.MLADecoder(graphs=False)
+kv3 = kv.clone()
+de(config, x, kv3)
+print(f"eager call, host only     {host_us(lambda: de(config, x, kv3), 100):8.1f} us")
+print(f"eager call, harness-style {wall_us(lambda: de(config, x, kv3)):8.1f} us")
+if len(sys.argv) > 2:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            de(config, x, kv3)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=50))
+del kv3
+
 # device memory a captured step holds (its graph's intermediates and static buffers)
 torch.cuda.synchronize()
 d2 = mla_decode.MLADecoder()

@@ -23,6 +23,14 @@ MLA_DEVICE void copy16_async(void* smem_dst, const void* gmem_src, bool valid) {
 #endif
 }
 
+// A hint: fetch the line holding `p` into L2 (NVIDIA; a no-op elsewhere).
+MLA_DEVICE void prefetch_l2(const void* p) {
+#if MLA_NVIDIA
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
 MLA_DEVICE void copy_commit() {
 #if MLA_NVIDIA
   asm volatile("cp.async.commit_group;\n" ::);

@@ -247,6 +247,18 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     wg::cp_async_arrive(&mb[bar]);
   };
 
+  // Block-table entries of pair jp into L2 ahead of their use (paged caches):
+  // a pair's 128 entries are 4 lines for one-row pages, each read for the
+  // first time by that pair, so without this every pair's address path waits
+  // on a DRAM round trip before its loads can issue (block-1 serving at mean
+  // 4096: 613 -> 559 us). Threads 0-3 of warpgroup 0, 32 keys each. (Also
+  // prefetching pair jp + 1 into L1 measured -2% / +2%: not kept.)
+  auto prefetch_pages = [&](int jp) {
+    if (p.block_table == nullptr || wg != 0 || t >= 4 || jp >= npairs) return;
+    const int key = (pt.tile_begin + jp) * T::kTileKeys + 32 * t;
+    if (key < L) prefetch_l2(p.block_table + b * p.block_table_stride + key / p.page_size);
+  };
+
   // ---- key RoPE of half h of pair jp, in place in its block 8: thread
   // (row t/2, hh = t%2) rotates pairs (j, j + 32) for j in [16 hh, 16 hh + 16).
   const bool rope = !kF16 && p.rope_cs != nullptr;  // (the host refuses rope_cs with fp16)
@@ -338,6 +350,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     copy_commit();
   }
   sync_threads();  // mbarriers initialised
+  prefetch_pages(1);
   if (npairs > 0) {
     if (wg == 0) {
       load_half(0, 0, 0, 4, false, kMbK0a);
@@ -371,6 +384,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
   if (wg == 0) {
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;
+      prefetch_pages(jp + 2);  // pair jp + 1's loads are issued during this pair
       // softmax of S0 against the running max
       float mx0, mx1;
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
