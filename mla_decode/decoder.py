@@ -1,11 +1,14 @@
-"""custom_kernel and the decoder object: validation, derived state, backends.
+"""custom_kernel and the decoder object: validation, per-cache state, backends.
 
 Backends:
-- "kernels": the compiled attention kernel (split-KV absorbed MQA with
-  on-the-fly key RoPE and LSE combine); projections through the vendor BLAS
-  via PyTorch for now.
-- "torch": the absorbed form in plain PyTorch (the absorbed form: W_UK folded into the query, W_UV applied after attention), used
-  wherever the kernels are not built or not usable (the CPU included).
+- "kernels": the projection stages of mla_decode.projections (vendor GEMMs
+  writing where the next stage reads, and the RoPE + cache-append kernel),
+  the split-KV attention kernel reading a rotated copy of the cache's rope
+  columns, with LSE combine; from the second call on a (cache, dims, weight
+  addresses) key the whole step is a replayed CUDA/HIP graph.
+- "torch": the absorbed form in plain PyTorch (W_UK folded into the query,
+  W_UV applied after attention), used wherever the kernels are not built or
+  not usable (the CPU included).
 The backend of every call is recorded in ``MLADecoder.last_backend``;
 ``mla_decode.backend()`` says which one a device gets and why.
 """
@@ -240,7 +243,10 @@ class MLADecoder:
 
     backend: "auto" (kernels where usable, else the PyTorch fallback, with a
     warning when a GPU call falls back), "kernels" (raise if not usable) or
-    "torch"."""
+    "torch". graphs: capture and replay the step (kernels backend; see the
+    README's contract for what a capture serves and what it keeps).
+    last_backend / last_graphed say how the last call ran. After writing a
+    cache other than through PyTorch, call forget_caches()."""
 
     def __init__(self, backend: str = "auto", graphs: bool = True):
         if backend not in ("auto", "kernels", "torch"):

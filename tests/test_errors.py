@@ -126,3 +126,22 @@ def test_kernels_backend_refuses_clearly_without_kernels(small_input):
     with pytest.raises(RuntimeError, match="backend='kernels' requested but not usable"):
         mla_decode.MLADecoder(backend="kernels")(config, x, kv)
     assert torch.equal(kv.data, before) and kv.seq_len == 5
+
+
+@pytest.mark.parametrize("swap,exc,match", [
+    (lambda w: w.float(), TypeError, r"config.wo_weight must be torch.bfloat16"),
+    (lambda w: w[:, :-1].contiguous(), MLAInputError, r"config.wo_weight must have shape \[dim, n_heads \* v\]"),
+    (lambda w: w.t().contiguous().t(), MLAInputError, r"config.wo_weight must be contiguous"),
+])
+def test_weights_checked_again_after_a_swap_behind_the_same_object(small_input, swap, exc, match):
+    """The decoder skips re-checking the very same weight objects in the same
+    state; a weight whose storage was swapped through ``.data`` (same object,
+    same version counter) must be checked again and refused."""
+    config, x, kv = small_input()
+    dec = mla_decode.MLADecoder(backend="torch")
+    dec(config, x, kv)  # a good call: the decoder now vouches for these weights
+    config.wo_weight.data = swap(config.wo_weight.data)
+    before, seq = kv.data.clone(), kv.seq_len
+    with pytest.raises(exc, match=match):
+        dec(config, x, kv)
+    assert torch.equal(kv.data, before) and kv.seq_len == seq
