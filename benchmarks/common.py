@@ -76,8 +76,10 @@ def geomean(xs):
     return p ** (1.0 / len(xs)) if xs else float("nan")
 
 
-def capture(fn):
-    """fn() once on a side stream (warm-up), then captured in a CUDA graph."""
+def time_graph(fn, iters=50):
+    """Median milliseconds of a CUDA-graph replay of fn(): the device time of
+    one call with the host's launch overhead taken out (a diagnostic: fn's
+    host-side effects run once, at capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -86,14 +88,7 @@ def capture(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return g
-
-
-def time_graph(fn, iters=50):
-    """Median milliseconds of a CUDA-graph replay of fn(): the device time of
-    one call with the host's launch overhead taken out (a diagnostic: fn's
-    host-side effects run once, at capture)."""
-    return time_events(capture(fn).replay, iters=iters)
+    return time_events(g.replay, iters=iters)
 
 
 def time_graph_cold(fn, iters=50, flush_mib=512):
@@ -101,7 +96,14 @@ def time_graph_cold(fn, iters=50, flush_mib=512):
     flushed before each replay (a 512 MiB buffer written in between, outside
     the timed events): device time as when the data is streamed from memory,
     as it is in a full decode step."""
-    g = capture(fn)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
     flush = torch.empty(flush_mib << 20, dtype=torch.uint8, device="cuda")
     times = []
     for i in range(iters + 3):
