@@ -48,7 +48,9 @@ struct PairTile {
   static constexpr int kBlocks = kD / 64;                // 64-column (128 B) blocks
   static constexpr int kBlockBytes = 64 * 128;           // one column block of 64 rows
   static constexpr int kMatBytes = kBlocks * kBlockBytes;  // Q, K0 or K1
-  static constexpr int kSmem = 1024 /*alignment*/ + 3 * kMatBytes + 3 * kM * 4 /*sM, sL*/ + 4 * 8 /*mbarriers*/;
+  static constexpr int kIdRing = 3;                      // pairs of block-table ids held in shared memory
+  static constexpr int kSmem = 1024 /*alignment*/ + 3 * kMatBytes + 3 * kM * 4 /*sM, sL*/ + 4 * 8 /*mbarriers*/ +
+                               kIdRing * kTileKeys * 4 /*page ids*/;
   static_assert(kD == 576 && kDv == 512 && kRope == 64 && kM == kHalf,
                 "the pair kernel is written for 576/512/64 and 64-row tiles");
 };
@@ -187,6 +189,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
   float* s_m = reinterpret_cast<float*>(k_s + 2 * T::kMatBytes);  // shared running max [64]
   float* s_l = s_m + T::kM;                                         // row sums of both warpgroups [2][64]
   uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);
+  int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
 
   Part pt;
   if (!read_part(p, block_y(), pt)) return;
@@ -211,25 +214,38 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
   // warp reads 4 rows x 128 contiguous bytes.
   const int lr = t / 8, lc = t % 8;
   const uint32_t lsmem = lr * 128 + ((lc ^ (lr & 7)) << 4);  // + 16 i rows (same swizzle phase)
-  auto key_row = [&](int key) -> const bf16_t* {
-    return p.block_table == nullptr
-               ? p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride
-               : p.kv + static_cast<int64_t>(p.block_table[b * p.block_table_stride + key / p.page_size]) *
-                            p.kv_page_stride +
-                     static_cast<int64_t>(key % p.page_size) * p.kv_row_stride;
+  // Paged caches: the page ids of a pair's keys sit in a shared-memory ring
+  // slot (entry e = key / page_size - first key of the pair / page_size),
+  // read from the block table by warpgroup 0 two pairs ahead, so the load
+  // path of a pair never waits on a global read (block-1 pages: one id per
+  // row). fetch_id/store_id: entry i of pair jp, in two steps so that the
+  // global read's latency passes under other work.
+  const bool paged = p.block_table != nullptr;
+  auto fetch_id = [&](int jp, int i) -> int32_t {
+    if (!paged || jp >= npairs) return 0;
+    const int key0 = (pt.tile_begin + jp) * T::kTileKeys, e0 = key0 / p.page_size;
+    const int last = (min(key0 + T::kTileKeys, L) - 1) / p.page_size;  // no entry past the length is read
+    return e0 + i <= last ? p.block_table[b * p.block_table_stride + e0 + i] : 0;
+  };
+  auto store_id = [&](int jp, int i, int32_t id) {
+    if (paged && jp < npairs) ids_s[(jp % T::kIdRing) * T::kTileKeys + i] = id;
+  };
+  auto key_row = [&](int jp, int key) -> const bf16_t* {
+    if (!paged) return p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
+    const int e = key / p.page_size - ((pt.tile_begin + jp) * T::kTileKeys) / p.page_size;
+    return p.kv + static_cast<int64_t>(ids_s[(jp % T::kIdRing) * T::kTileKeys + e]) * p.kv_page_stride +
+           static_cast<int64_t>(key % p.page_size) * p.kv_row_stride;
   };
   // column blocks [blo, bhi) (+ block 8 if with8) of half h of pair jp, then
   // arrive on mbarrier `bar` when they have landed
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
     unsigned char* dst = k_s + h * T::kMatBytes + lsmem;
     const int key_base = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + lr;
-    // all four row addresses first: with small pages each needs a block-table
-    // read, and issuing them together costs one memory round trip, not four
     const bf16_t* srcs[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int key = key_base + 16 * i;
-      srcs[i] = key < L ? key_row(key) + lc * 8 : nullptr;  // rows past the length are zero-filled
+      srcs[i] = key < L ? key_row(jp, key) + lc * 8 : nullptr;  // rows past the length are zero-filled
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -247,14 +263,11 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     wg::cp_async_arrive(&mb[bar]);
   };
 
-  // Block-table entries of pair jp into L2 ahead of their use (paged caches):
-  // a pair's 128 entries are 4 lines for one-row pages, each read for the
-  // first time by that pair, so without this every pair's address path waits
-  // on a DRAM round trip before its loads can issue (block-1 serving at mean
-  // 4096: 613 -> 559 us). Threads 0-3 of warpgroup 0, 32 keys each. (Also
-  // prefetching pair jp + 1 into L1 measured -2% / +2%: not kept.)
+  // Block-table entries of pair jp into L2 ahead of their use (paged caches),
+  // so that fetch_id (one pair later) finds them there: a pair's 128 entries
+  // are 4 lines for one-row pages. Threads 0-3 of warpgroup 0, 32 keys each.
   auto prefetch_pages = [&](int jp) {
-    if (p.block_table == nullptr || wg != 0 || t >= 4 || jp >= npairs) return;
+    if (!paged || wg != 0 || t >= 4 || jp >= npairs) return;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + 32 * t;
     if (key < L) prefetch_l2(p.block_table + b * p.block_table_stride + key / p.page_size);
   };
@@ -349,8 +362,10 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     }
     copy_commit();
   }
-  sync_threads();  // mbarriers initialised
-  prefetch_pages(1);
+  // page ids of pairs 0 (warpgroup 0) and 1 (warpgroup 1)
+  store_id(wg, t, fetch_id(wg, t));
+  prefetch_pages(2);
+  sync_threads();  // mbarriers initialised, page ids of pairs 0 and 1 stored
   if (npairs > 0) {
     if (wg == 0) {
       load_half(0, 0, 0, 4, false, kMbK0a);
@@ -384,7 +399,13 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
   if (wg == 0) {
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;
-      prefetch_pages(jp + 2);  // pair jp + 1's loads are issued during this pair
+      // pair jp + 1's loads are issued during this pair; pair jp + 2's page
+      // ids are read now and stored before the kBarM1 barrier below, which
+      // orders them before every reader (warpgroup 0 after it, warpgroup 1
+      // after kBarM0 of the next pair); slot (jp + 2) % 3 was last read for
+      // pair jp - 1, before warpgroup 1 arrived at kBarM1 of pair jp - 1.
+      const int32_t next_id = fetch_id(jp + 2, t);
+      prefetch_pages(jp + 3);
       // softmax of S0 against the running max
       float mx0, mx1;
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
@@ -401,6 +422,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       wg::commit();
       wg::wait<0>();
       if (more) load_half(jp + 1, 0, 0, 4, false, kMbK0a);  // K0 blocks 0-3: read by nothing else now
+      store_id(jp + 2, t, next_id);
       // warpgroup 1's max -> P0 rescaled for it
       wg::named_sync(kBarM1, 256);
       const float f0 = s_m[r0], f1 = s_m[r1];
