@@ -1,7 +1,9 @@
 """The absorbed MQA decode attention over the latent cache, as an op.
 
 Every query row attends over one shared latent row per position,
-key = [c_t | k_pe_t] (576 wide), value = c_t (512 wide). See the README's
+key = [c_t | k_pe_t] (d = dv + rope wide; DeepSeek: 576), value = c_t (dv
+wide; DeepSeek: 512). Or, with per-head rope keys (MHA2MLA), key =
+[c_t | k_pe_{t,h}] with c_t shared and k_pe per query head. See the README's
 "Attention op" section for the contract.
 """
 
@@ -11,9 +13,25 @@ import torch
 
 from ._ext import kernels_built, require_kernels
 
-__all__ = ["mla_attention", "mla_combine", "attention_reference", "rope_table"]
+__all__ = ["mla_attention", "mla_combine", "attention_reference", "rope_table", "check_attention_shape",
+           "SUPPORTED_DV", "SUPPORTED_ROPE"]
 
 D, DV, ROPE = 576, 512, 64
+SUPPORTED_DV = (64, 128, 256, 512)
+SUPPORTED_ROPE = (8, 16, 32, 64)
+
+
+def check_attention_shape(d: int, dv: int) -> int:
+    """Raise ValueError unless the kernels are built for head dim ``d`` =
+    dv + rope; returns the rope width. (The C++ op checks the same.)"""
+    rope = d - dv
+    if dv not in SUPPORTED_DV or rope not in SUPPORTED_ROPE:
+        raise ValueError(
+            f"unsupported attention shape: head dim d={d} with head_dim_v={dv} (rope width d - dv = {rope}); "
+            f"supported: value width dv in {{64, 128, 256, 512}} with rope width in {{8, 16, 32, 64}}, the rope keys "
+            f"either the last `rope` columns of the shared latent row (d = dv + rope) or per-head rope keys "
+            f"[..., h_q, rope] beside a dv-wide latent cache")
+    return rope
 
 
 def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tensor:
@@ -26,28 +44,34 @@ def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tens
 
 
 def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
-                  out=None, lse=None, kpe=None):
+                  out=None, lse=None, kpe=None, head_dim_v=DV, kpe_heads=None):
     """Split-KV absorbed attention on the GPU kernels.
 
-    q: [bs, s_q, h_q, 576] bf16; kv: [bs, max_seq_len, 576] bf16 (the task's
-    cache) or, with ``block_table`` [bs, max_blocks] int32, pages
-    [num_blocks, block_size, (1,) 576]; seqlens: [bs] int32 on the device;
-    rope_cs: None (keys used as stored) or ``rope_table(...)`` (the last 64
-    key columns rotated at their position on the fly, the task's RoPE).
-    kpe: None, or [bs, >= max_seq_len, 64] bf16 rows that replace the key's
-    last 64 columns (not with block_table): MLADecoder passes its rotated
-    copy of the cache's k_pe, so no rotation runs in the kernel.
-    Returns (out [bs, s_q, h_q, 512] bf16, lse [bs, h_q, s_q] fp32, natural
-    log). A sequence of length 0 gives out = 0 and lse = -inf.
+    q: [bs, s_q, h_q, d] bf16 or fp16 with d = head_dim_v + rope (DeepSeek:
+    576 = 512 + 64; see SUPPORTED_DV / SUPPORTED_ROPE); kv: [bs, max_seq_len,
+    d] (the task's cache) or, with ``block_table`` [bs, max_blocks] int32,
+    pages [num_blocks, block_size, (1,) d]; seqlens: [bs] int32 on the device;
+    rope_cs: None (keys used as stored) or ``rope_table(...)`` (the last rope
+    key columns rotated at their position on the fly, the task's RoPE; bf16).
+    kpe: None, or [bs, >= max_seq_len, rope] rows that replace the key's last
+    rope columns (not with block_table): MLADecoder passes its rotated copy of
+    the cache's k_pe, so no rotation runs in the kernel.
+    kpe_heads: None, or per-head rope keys (MHA2MLA) [bs, >= max_seq_len, h_q,
+    rope] (paged: [num_blocks, block_size, h_q, rope], the pages of kv); kv
+    rows are then the dv latent columns alone, and the score of head h is
+    q[..., :dv] . c_t + q[..., dv:] . kpe_heads[t, h]. Used as stored.
+    Returns (out [bs, s_q, h_q, head_dim_v] in q's dtype, lse [bs, h_q, s_q]
+    fp32, natural log). A sequence of length 0 gives out = 0 and lse = -inf.
     ``out``/``lse`` may be passed in (destination passing)."""
+    check_attention_shape(q.shape[-1], head_dim_v)
     require_kernels(q.device)
     if (out is None) != (lse is None):
         raise ValueError("pass both out and lse, or neither")
     if out is None:
         return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                              kpe)
+                                              kpe, int(head_dim_v), kpe_heads)
     torch.ops.mla_decode.attention_out(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                       out, lse, kpe)
+                                       out, lse, kpe, int(head_dim_v), kpe_heads)
     return out, lse
 
 
@@ -63,10 +87,11 @@ def mla_combine(o_part, lse_part):
 
 
 def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
-                        dtype=torch.float64):
+                        dtype=torch.float64, head_dim_v=DV, kpe_heads=None):
     """The op's semantics in plain PyTorch (``dtype`` math, one sequence at a
     time): the oracle of the attention tests."""
     bs, s_q, h_q, _ = q.shape
+    DV = head_dim_v  # noqa: N806 (the module constant's role, per call)
     lens = seqlens.tolist()
     out = torch.zeros(bs, s_q, h_q, DV, dtype=dtype, device=q.device)
     lse = torch.full((bs, h_q, s_q), float("-inf"), dtype=dtype, device=q.device)
@@ -74,7 +99,7 @@ def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope
         L = lens[b]
         if L <= 0:
             continue
-        rows_bf = kv_rows_bf16(kv, block_table, b, L)
+        rows_bf = kv_rows_bf16(kv, block_table, b, L).reshape(L, -1)
         rows = rows_bf.to(dtype)
         if rope_cs is not None:
             from .reference import rope_rotate
@@ -84,7 +109,13 @@ def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope
             sin = torch.cat([rope_cs[:L, half:]] * 2, dim=-1)
             k_pe = rope_rotate(rows_bf[:, DV:], cos, sin)
             rows = torch.cat([rows[:, :DV], k_pe.to(dtype)], dim=-1)
-        s = torch.einsum("ihd,ld->ihl", q[b].to(dtype), rows) * softmax_scale
+        if kpe_heads is None:
+            s = torch.einsum("ihd,ld->ihl", q[b].to(dtype), rows)
+        else:  # per-head rope keys: the latent part shared, the rope part per head
+            kh = kv_rows_bf16(kpe_heads, block_table, b, L).to(dtype)  # [L, h_q, rope]
+            s = (torch.einsum("ihd,ld->ihl", q[b, ..., :DV].to(dtype), rows)
+                 + torch.einsum("ihr,lhr->ihl", q[b, ..., DV:].to(dtype), kh))
+        s = s * softmax_scale
         if causal and s_q > 1:
             pos = torch.arange(L, device=q.device)
             lim = L - (s_q - 1 - torch.arange(s_q, device=q.device))
@@ -100,18 +131,21 @@ def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope
 
 
 def kv_rows_bf16(kv, block_table, b, L):
+    """Rows 0..L-1 of sequence b: kv[b, :L], or gathered from the pages of
+    block_table (any trailing dimensions kept)."""
     if block_table is None:
         return kv[b, :L]
     page = kv.shape[1]
     pages = block_table[b, : (L + page - 1) // page].long()
-    return kv[pages].reshape(-1, kv.shape[-1])[:L]
+    return kv[pages].reshape(-1, *kv.shape[2:])[:L]
 
 
 if kernels_built():
     @torch.library.register_fake("mla_decode::attention")
-    def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None):
+    def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None, head_dim_v=DV,
+                        kpe_heads=None):
         bs, s_q, h_q, _ = q.shape
-        return q.new_empty(bs, s_q, h_q, DV), q.new_empty(bs, h_q, s_q, dtype=torch.float32)
+        return q.new_empty(bs, s_q, h_q, head_dim_v), q.new_empty(bs, h_q, s_q, dtype=torch.float32)
 
     @torch.library.register_fake("mla_decode::combine")
     def _combine_fake(o_part, lse_part):

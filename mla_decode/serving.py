@@ -24,7 +24,15 @@ Differences a caller should know:
 - A sequence of length 0 gives out = 0 and lse = -inf (log of an empty sum),
   never NaN.
 - Supported: bf16 and fp16 (q and k_cache of one dtype; out in it, lse
-  fp32), head_dim 576, head_dim_v 512, one KV head.
+  fp32), one KV head, head_dim_v (dv) in {64, 128, 256, 512} and head_dim
+  d = dv + rope with rope in {8, 16, 32, 64} (DeepSeek: 576 = 512 + 64).
+  DeepSeek's shape runs the Hopper (wgmma) kernel on sm_90 builds; every
+  other shape runs the portable tile-MMA kernel (mma.sync / MFMA).
+- Per-head rope keys (MHA2MLA; beyond FlashMLA): pass
+  ``kpe_cache=[num_blocks, page_block_size, h_q, rope]`` (the same pages as
+  k_cache, which then holds the dv latent columns alone). The score of head
+  h is q[..., :dv] . c_t + q[..., dv:] . kpe_cache[t, h]; the rope parts are
+  computed first into an fp32 workspace of b * s_q * h_q * capacity floats.
 """
 
 from __future__ import annotations
@@ -32,10 +40,10 @@ from __future__ import annotations
 import torch
 
 from ._ext import require_kernels
+from .attention import check_attention_shape
 
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache"]
 
-_D, _DV = 576, 512
 
 
 def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int):
@@ -63,24 +71,27 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                           softmax_scale=None, causal=False):
-    """q: [b, s_q, h_q, 576]; k_cache: [num_blocks, page_block_size, 1, 576]
-    (or [num_blocks, page_block_size, 576]); block_table: [b, max_blocks]
-    int32; cache_seqlens: [b] int32; head_dim_v: 512; the metadata from
-    get_mla_metadata; softmax_scale defaults to 576 ** -0.5; causal masks
+                           softmax_scale=None, causal=False, *, kpe_cache=None):
+    """q: [b, s_q, h_q, d] (d = head_dim_v + rope; DeepSeek 576);
+    k_cache: [num_blocks, page_block_size, 1, d] (or [num_blocks,
+    page_block_size, d]); block_table: [b, max_blocks] int32; cache_seqlens:
+    [b] int32; head_dim_v: dv (DeepSeek 512); the metadata from
+    get_mla_metadata; softmax_scale defaults to d ** -0.5; causal masks
     query token i (of s_q) to positions < L - (s_q - 1 - i).
+    kpe_cache (keyword, optional): per-head rope keys [num_blocks,
+    page_block_size, h_q, d - dv]; k_cache's last dimension is then dv.
 
-    Returns (out [b, s_q, h_q, 512] in q's dtype, lse [b, h_q, s_q] fp32)."""
+    Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [b, s_q, h_q, d], got {list(q.shape)}")
+    d = q.shape[-1]
+    check_attention_shape(d, head_dim_v)
     require_kernels(q.device)
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
         raise TypeError(f"q and k_cache must both be bfloat16 or both float16, got {q.dtype} and {k_cache.dtype}")
-    if q.dim() != 4 or q.shape[-1] != _D:
-        raise ValueError(f"q must have shape [b, s_q, h_q, {_D}], got {list(q.shape)}")
-    if head_dim_v != _DV:
-        raise ValueError(f"head_dim_v must be {_DV} (supported: head_dim {_D} = {_DV} latent + 64 rope), "
-                         f"got {head_dim_v}")
+    width = head_dim_v if kpe_cache is not None else d
     if k_cache.dim() == 4 and k_cache.shape[2] != 1:
-        raise ValueError(f"k_cache must hold one KV head: [num_blocks, page_block_size, 1, {_D}], "
+        raise ValueError(f"k_cache must hold one KV head: [num_blocks, page_block_size, 1, {width}], "
                          f"got {list(k_cache.shape)}")
     if block_table is None:
         raise ValueError("block_table is required ([b, max_blocks_per_seq] int32)")
@@ -95,9 +106,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                          f"{tile_scheduler_metadata.dtype} {list(tile_scheduler_metadata.shape)} on "
                          f"{tile_scheduler_metadata.device}")
     if softmax_scale is None:
-        softmax_scale = _D ** -0.5
+        softmax_scale = d ** -0.5
     return torch.ops.mla_decode.attention(q, k_cache, cache_seqlens, block_table, None, float(softmax_scale),
-                                          bool(causal))
+                                          bool(causal), None, int(head_dim_v), kpe_cache)
 
 
 def _check_seqlens(cache_seqlens):

@@ -145,3 +145,27 @@ def test_weights_checked_again_after_a_swap_behind_the_same_object(small_input, 
     with pytest.raises(exc, match=match):
         dec(config, x, kv)
     assert torch.equal(kv.data, before) and kv.seq_len == seq
+
+
+@pytest.mark.parametrize("d,dv,match", [
+    (512, 512, r"head dim d=512 with head_dim_v=512 \(rope width d - dv = 0\)"),
+    (576, 256, r"head dim d=576 with head_dim_v=256 \(rope width d - dv = 320\)"),
+    (200, 192, r"head dim d=200 with head_dim_v=192 \(rope width d - dv = 8\)"),
+])
+def test_attention_shape_refused_with_the_supported_list(d, dv, match):
+    """An unsupported (d, dv) raises before anything needs a GPU, and the
+    message lists what is supported."""
+    q = torch.zeros(1, 1, 8, d, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match + r".*supported: value width dv in \{64, 128, 256, 512\} with rope "
+                                                 r"width in \{8, 16, 32, 64\}"):
+        mla_decode.mla_attention(q, q, torch.zeros(1, dtype=torch.int32), 0.1, head_dim_v=dv)
+    with pytest.raises(ValueError, match=match):
+        mla_decode.flash_mla_with_kvcache(q, q, None, torch.zeros(1, dtype=torch.int32), dv, None, None)
+
+
+@pytest.mark.parametrize("dv", [64, 128, 256, 512])
+@pytest.mark.parametrize("rope", [8, 16, 32, 64])
+def test_attention_shape_accepted(dv, rope):
+    from mla_decode.attention import check_attention_shape
+
+    assert check_attention_shape(dv + rope, dv) == rope

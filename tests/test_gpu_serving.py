@@ -112,7 +112,7 @@ def test_serving_bad_inputs():
         flash_mla_with_kvcache(q.half(), k_cache, table, seqlens, 512, meta, splits)
     with pytest.raises(TypeError, match="must both be bfloat16 or both float16"):
         flash_mla_with_kvcache(q.float(), k_cache.float(), table, seqlens, 512, meta, splits)
-    with pytest.raises(ValueError, match=r"head_dim_v must be 512 \(supported: head_dim 576"):
+    with pytest.raises(ValueError, match=r"unsupported attention shape: head dim d=576 with head_dim_v=256"):
         flash_mla_with_kvcache(q, k_cache, table, seqlens, 256, meta, splits)
     with pytest.raises(ValueError, match="num_heads_k must be 1"):
         get_mla_metadata(seqlens, 16, 2)

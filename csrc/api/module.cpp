@@ -16,11 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("platform") = "cuda";
 #endif
   m.attr("archs") = MLA_BUILD_ARCHS;
-  m.def("attention_info", &mla::api::attention_info, py::arg("device"),
-        "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, 1 hopper)]");
+  m.def("attention_info", &mla::api::attention_info, py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
+        "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, "
+        "1 hopper)] for value width dv and rope width rope inside the key (0: per-head rope keys)");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("kpe") = py::none());
+        py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none());
   m.def("copy_async", &mla::api::copy_async, py::arg("dst"), py::arg("src"),
         "dst <- src on the current stream (same dtype and size, contiguous, one GPU)");
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));

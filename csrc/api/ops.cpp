@@ -19,7 +19,17 @@
 namespace mla::api {
 namespace {
 
-constexpr int64_t kD = 576, kDv = 512, kRope = 64;
+constexpr int64_t kDv = 512, kRope = 64;  // DeepSeek-V3 (the combine op's only width and the defaults)
+
+// The shapes the portable kernel is built for (attention.h): index of (dv, rope) or -1.
+int shape_index(int64_t dv, int64_t rope) {
+  static constexpr int64_t kDvs[] = {64, 128, 256, 512}, kRopes[] = {0, 8, 16, 32, 64};
+  int i = -1, j = -1;
+  for (int k = 0; k < 4; ++k) i = kDvs[k] == dv ? k : i;
+  for (int k = 0; k < 5; ++k) j = kRopes[k] == rope ? k : j;
+  return i < 0 || j < 0 ? -1 : i * 5 + j;
+}
+constexpr int kShapes = 20;
 
 enum class AttnKernel { kPortable = 0, kHopper = 1 };
 
@@ -33,11 +43,13 @@ struct DeviceAttnInfo {
 #define MLA_BUILD_ARCHS "unknown"
 #endif
 
-// The attention kernel for `device`: the Hopper (wgmma) kernel where this
-// build carries sm_90a code and the device is compute capability 9.x, else
-// the portable tile-MMA kernel. MLA_DECODE_ATTN_KERNEL=portable|hopper
-// overrides (for measurements and tests; read once).
-AttnKernel attn_kernel_for(int device) {
+// The attention kernel for `device` and the shape: the Hopper (wgmma) kernel
+// where this build carries sm_90a code, the device is compute capability 9.x
+// and the shape is DeepSeek's (dv 512, rope 64 shared), else the portable
+// tile-MMA kernel. MLA_DECODE_ATTN_KERNEL=portable|hopper overrides (for
+// measurements and tests; read once); `hopper` applies to that shape only.
+AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope) {
+  if (dv != kDv || rope != kRope) return AttnKernel::kPortable;
   static const int forced = [] {
     const char* s = std::getenv("MLA_DECODE_ATTN_KERNEL");
     if (s == nullptr || *s == 0) return -1;
@@ -51,37 +63,43 @@ AttnKernel attn_kernel_for(int device) {
   return has_sm90a && at::cuda::getDeviceProperties(device)->major == 9 ? AttnKernel::kHopper : AttnKernel::kPortable;
 }
 
-// Kernel facts and the SM/CU count, read once per device from the runtime.
-const DeviceAttnInfo& device_attn_info(int device) {
+// Kernel facts and the SM/CU count, read once per device and shape from the runtime.
+const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope) {
   static std::mutex mu;
-  static std::array<DeviceAttnInfo, 64> cache{};
-  static std::array<bool, 64> ready{};
+  static std::array<std::array<DeviceAttnInfo, kShapes>, 64> cache{};
+  static std::array<std::array<bool, kShapes>, 64> ready{};
   if (device < 0 || device >= 64) fail_value("device index out of range: " + num(int64_t{device}));
+  const int si = shape_index(dv, rope);
+  if (si < 0)
+    fail_value("unsupported attention shape dv=" + num(dv) + ", rope=" + num(rope) + "; " + kAttnShapesSupported);
   std::lock_guard<std::mutex> lock(mu);
-  if (!ready[device]) {
+  if (!ready[device][si]) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    info.kind = attn_kernel_for(device);
-    check_launch(info.kind == AttnKernel::kHopper ? attn_kernel_info_sm90(&info.kernel)
-                                                  : attn_kernel_info_576_512(&info.kernel),
+    info.kind = attn_kernel_for(device, dv, rope);
+    check_launch(info.kind == AttnKernel::kHopper
+                     ? attn_kernel_info_sm90(&info.kernel)
+                     : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), &info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
       fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +
            num(int64_t{device}) + " runs warp size " + num(int64_t{props->warpSize}));
     info.sm_count = props->multiProcessorCount;
-    cache[device] = info;
-    ready[device] = true;
+    cache[device][si] = info;
+    ready[device][si] = true;
   }
-  return cache[device];
+  return cache[device][si];
 }
 
 struct KvLayout {
   int64_t row_stride, page_stride, page_size, capacity, bt_stride;
 };
 
+// kv holds rows of `width` columns (the key: d, or dv with per-head rope keys).
 KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_table, int64_t bs,
-                  const at::Device& dev, at::ScalarType dtype) {
+                  const at::Device& dev, at::ScalarType dtype, int64_t width) {
+  const std::string w = num(width);
   check_device(kv, "kv", dev);
   check_dtype(kv, "kv (the same dtype as q)", dtype);
   check_last_dim_contiguous(kv, "kv");
@@ -92,16 +110,16 @@ KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_t
     check_dtype(bt, "block_table", at::kInt);
     check_last_dim_contiguous(bt, "block_table");
     check_shape(bt, "block_table", {bs, -1}, "[bs, max_blocks_per_seq]");
-    if (!(kv.dim() == 3 || (kv.dim() == 4 && kv.size(2) == 1)) || kv.size(-1) != kD)
-      fail_value("paged kv must have shape [num_blocks, block_size, 576] or [num_blocks, block_size, 1, 576], got " +
-                 shape_str(kv));
+    if (!(kv.dim() == 3 || (kv.dim() == 4 && kv.size(2) == 1)) || kv.size(-1) != width)
+      fail_value("paged kv must have shape [num_blocks, block_size, " + w + "] or [num_blocks, block_size, 1, " + w +
+                 "], got " + shape_str(kv));
     l.page_stride = kv.stride(0);
     l.row_stride = kv.stride(1);
     l.page_size = kv.size(1);
     l.capacity = bt.size(1) * l.page_size;
     l.bt_stride = bt.stride(0);
   } else {
-    check_shape(kv, "kv", {bs, -1, kD}, "[bs, max_seq_len, 576]");
+    check_shape(kv, "kv", {bs, -1, width}, ("[bs, max_seq_len, " + w + "]").c_str());
     l.page_stride = kv.stride(0);
     l.row_stride = kv.stride(1);
     l.page_size = kv.size(1);
@@ -161,7 +179,8 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
 void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
-                   const c10::optional<at::Tensor>& kpe) {
+                   const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
+                   const c10::optional<at::Tensor>& kpe_heads) {
   // device
   if (!q.is_cuda()) fail_value("q must be on a GPU, got " + q.device().str());
   const at::Device dev = q.device();
@@ -176,27 +195,36 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   check_dtype(seqlens, "seqlens", at::kInt);
   check_dtype(out, "out (the same dtype as q)", elt);
   check_dtype(lse, "lse", at::kFloat);
-  // layout and shape
-  check_shape(q, "q", {-1, -1, -1, kD}, "[bs, s_q, h_q, 576]");
-  const int64_t bs = q.size(0), s_q = q.size(1), h_q = q.size(2);
+  // shape family: d = dv + rope; the rope keys in the latent row (shared by
+  // all heads) or per head in kpe_heads (then kv rows are dv wide)
+  check_shape(q, "q", {-1, -1, -1, -1}, "[bs, s_q, h_q, d]");
+  const int64_t bs = q.size(0), s_q = q.size(1), h_q = q.size(2), d = q.size(3);
+  const int64_t dv = head_dim_v, rope = d - dv;
+  const bool per_head = kpe_heads.has_value();
+  if (shape_index(dv, 0) < 0 || rope <= 0 || shape_index(dv, rope) < 0)
+    fail_value("unsupported attention shape: q's head dim d=" + num(d) + " with head_dim_v=" + num(dv) +
+               " (rope width d - dv = " + num(rope) + "); " + kAttnShapesSupported);
+  const int64_t rope_in_key = per_head ? 0 : rope, key_width = per_head ? dv : d;
   if (bs <= 0 || s_q <= 0 || h_q <= 0) fail_value("q must have non-empty bs, s_q and h_q, got " + shape_str(q));
   check_last_dim_contiguous(q, "q");
   if (s_q != 1 && q.stride(1) != h_q * q.stride(2))
     fail_value("q must have its (s_q, h_q) dimensions laid out densely (stride(1) == h_q * stride(2)), got strides " +
                list_str(q.strides()));
-  const KvLayout kl = check_kv(kv, block_table, bs, dev, elt);
+  const KvLayout kl = check_kv(kv, block_table, bs, dev, elt, key_width);
   check_shape(seqlens, "seqlens", {bs}, "[bs]");
   check_contiguous(seqlens, "seqlens");
-  check_shape(out, "out", {bs, s_q, h_q, kDv}, "[bs, s_q, h_q, 512]");
+  check_shape(out, "out", {bs, s_q, h_q, dv}, ("[bs, s_q, h_q, " + num(dv) + "]").c_str());
   check_contiguous(out, "out");
   check_shape(lse, "lse", {bs, h_q, s_q}, "[bs, h_q, s_q]");
   check_contiguous(lse, "lse");
+  if (per_head && (rope_cs.has_value() || kpe.has_value()))
+    fail_value("with per-head rope keys (kpe_heads) the keys are used as stored: pass neither rope_cs nor kpe");
   if (rope_cs.has_value()) {
     if (f16) fail_type("rope_cs (the keys' RoPE on the fly) is implemented for bf16 only; q is float16");
     check_device(*rope_cs, "rope_cs", dev);
     check_dtype(*rope_cs, "rope_cs", at::kBFloat16);
     check_contiguous(*rope_cs, "rope_cs");
-    check_shape(*rope_cs, "rope_cs", {-1, kRope}, "[positions, 64]");
+    check_shape(*rope_cs, "rope_cs", {-1, rope}, ("[positions, " + num(rope) + "]").c_str());
     if (rope_cs->size(0) < kl.capacity)
       fail_value("rope_cs must cover every cache position (" + num(kl.capacity) + " rows), got " +
                  shape_str(*rope_cs));
@@ -206,15 +234,40 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
     check_dtype(*kpe, "kpe (the same dtype as q)", elt);
     check_last_dim_contiguous(*kpe, "kpe");
     if (block_table.has_value()) fail_value("kpe (separate rope keys) is not supported with a block table");
-    check_shape(*kpe, "kpe", {bs, -1, kRope}, "[bs, >= max_seq_len, 64]");
+    check_shape(*kpe, "kpe", {bs, -1, rope}, ("[bs, >= max_seq_len, " + num(rope) + "]").c_str());
     if (kpe->size(1) < kl.capacity)
       fail_value("kpe must have a row for every cache position (" + num(kl.capacity) + "), got " + shape_str(*kpe));
+  }
+  if (per_head) {
+    const at::Tensor& kh = *kpe_heads;
+    check_device(kh, "kpe_heads", dev);
+    check_dtype(kh, "kpe_heads (the same dtype as q)", elt);
+    check_last_dim_contiguous(kh, "kpe_heads");
+    if (block_table.has_value())
+      check_shape(kh, "kpe_heads", {kv.size(0), kl.page_size, h_q, rope},
+                  ("[num_blocks, block_size, h_q, rope] = [" + num(kv.size(0)) + ", " + num(kl.page_size) + ", " +
+                   num(h_q) + ", " + num(rope) + "] (the pages of kv)").c_str());
+    else {
+      check_shape(kh, "kpe_heads", {bs, -1, h_q, rope},
+                  ("[bs, >= max_seq_len, h_q, rope] with h_q=" + num(h_q) + ", rope=" + num(rope)).c_str());
+      if (kh.size(1) < kl.capacity)
+        fail_value("kpe_heads must have a row for every cache position (" + num(kl.capacity) + "), got " +
+                   shape_str(kh));
+    }
+    // the rope-score kernel reads 16-byte vectors of kpe_heads rows and of q's rope columns
+    auto aligned = [](const at::Tensor& t, int dims) {
+      bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+      for (int i = 0; i < dims; ++i) ok = ok && t.stride(i) % 8 == 0;
+      return ok;
+    };
+    if (!aligned(kh, 3)) fail_value("kpe_heads must be 16-byte aligned with strides that are multiples of 8, got strides " + list_str(kh.strides()));
+    if (!aligned(q, 3)) fail_value("q must be 16-byte aligned with strides that are multiples of 8 (per-head rope keys), got strides " + list_str(q.strides()));
   }
   if (!(softmax_scale > 0.0)) fail_value("softmax_scale must be positive, got " + num(softmax_scale));
 
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
-  const DeviceAttnInfo& info = device_attn_info(device);
+  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key);
   const int64_t rows = s_q * h_q;
   auto stream = at::cuda::getCurrentCUDAStream(device).stream();
   const Planned pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream);
@@ -222,8 +275,42 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   at::Tensor plan = pl.plan;
 
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor o_part = at::empty({max_parts, rows, kDv}, f32);
+  at::Tensor o_part = at::empty({max_parts, rows, dv}, f32);
   at::Tensor lse_part = at::empty({max_parts, rows}, f32);
+
+  // per-head rope keys: their scores first, [bs, rows, rs_stride] fp32 (the
+  // attention reads whole key tiles of it, so rows reach a tile multiple)
+  at::Tensor rope_scores;
+  int64_t rs_stride = 0;
+  if (per_head) {
+    const int64_t tile = info.kernel.tile;
+    rs_stride = std::max<int64_t>(tile, (kl.capacity + tile - 1) / tile * tile);
+    rope_scores = at::empty({bs, rows, rs_stride}, f32);
+    const at::Tensor& kh = *kpe_heads;
+    RopeScoreParams rp{};
+    rp.q = reinterpret_cast<const bf16_t*>(q.data_ptr());
+    rp.kpe = reinterpret_cast<const bf16_t*>(kh.data_ptr());
+    rp.block_table = block_table.has_value() ? block_table->data_ptr<int32_t>() : nullptr;
+    rp.seqlens = seqlens.data_ptr<int32_t>();
+    rp.out = rope_scores.data_ptr<float>();
+    rp.q_row_stride = q.stride(2);
+    rp.q_batch_stride = q.stride(0);
+    rp.page_stride = kh.stride(0);
+    rp.row_stride = kh.stride(1);
+    rp.head_stride = kh.stride(2);
+    rp.block_table_stride = kl.bt_stride;
+    rp.out_stride = rs_stride;
+    rp.q_col0 = static_cast<int>(dv);
+    rp.page_size = static_cast<int>(kl.page_size);
+    rp.max_len = static_cast<int>(kl.capacity);
+    rp.bs = static_cast<int>(bs);
+    rp.s_q = static_cast<int>(s_q);
+    rp.h_q = static_cast<int>(h_q);
+    rp.rows = static_cast<int>(rows);
+    rp.rope = static_cast<int>(rope);
+    rp.f16 = f16;
+    check_launch(launch_rope_scores(rp, stream), "rope score launch");
+  }
 
   AttnParams ap{};
   ap.q = reinterpret_cast<const bf16_t*>(q.data_ptr());
@@ -251,12 +338,15 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.h_q = static_cast<int>(h_q);
   ap.rows = static_cast<int>(rows);
   ap.max_parts = static_cast<int>(max_parts);
-  ap.rope = static_cast<int>(kRope);
+  ap.rope_scores = per_head ? rope_scores.data_ptr<float>() : nullptr;
+  ap.rs_stride = rs_stride;
+  ap.dv = static_cast<int>(dv);
+  ap.rope = static_cast<int>(rope_in_key);
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
   ap.f16 = f16;
   check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
-                                                : launch_attention_576_512(ap, stream),
+                                                : launch_attention_portable(ap, stream),
                "attention launch");
 
   CombineParams cp{};
@@ -270,7 +360,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   cp.s_q = ap.s_q;
   cp.h_q = ap.h_q;
   cp.rows = ap.rows;
-  cp.dv = static_cast<int>(kDv);
+  cp.dv = static_cast<int>(dv);
   cp.f16 = f16;
   check_launch(launch_combine(cp, stream), "combine launch");
 }
@@ -278,11 +368,14 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
-                                             bool causal, const c10::optional<at::Tensor>& kpe) {
-  if (q.dim() != 4) fail_value("q must have shape [bs, s_q, h_q, 576], got " + shape_str(q));
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), kDv}, q.options());
+                                             bool causal, const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
+                                             const c10::optional<at::Tensor>& kpe_heads) {
+  if (q.dim() != 4) fail_value("q must have shape [bs, s_q, h_q, d], got " + shape_str(q));
+  if (shape_index(head_dim_v, 0) < 0)
+    fail_value("unsupported head_dim_v=" + num(head_dim_v) + "; " + kAttnShapesSupported);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), head_dim_v}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe);
+  attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe, head_dim_v, kpe_heads);
   return {out, lse};
 }
 
@@ -291,8 +384,10 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   check_device(lse_part, "lse_part", o_part.device());
   check_dtype(o_part, "o_part", at::kFloat);
   check_dtype(lse_part, "lse_part", at::kFloat);
-  check_shape(o_part, "o_part", {-1, -1, -1, -1, kDv}, "[bs, num_splits, s_q, h_q, 512]");
+  check_shape(o_part, "o_part", {-1, -1, -1, -1, -1}, "[bs, num_splits, s_q, h_q, dv]");
   const int64_t bs = o_part.size(0), n = o_part.size(1), s_q = o_part.size(2), h_q = o_part.size(3);
+  const int64_t dv = o_part.size(4);
+  if (shape_index(dv, 0) < 0) fail_value("o_part's last dimension (dv) must be 64, 128, 256 or 512, got " + shape_str(o_part));
   if (bs <= 0 || n <= 0 || s_q <= 0 || h_q <= 0) fail_value("o_part must be non-empty, got " + shape_str(o_part));
   check_shape(lse_part, "lse_part", {bs, n, s_q, h_q}, "[bs, num_splits, s_q, h_q] (matching o_part)");
   check_contiguous(o_part, "o_part");
@@ -302,7 +397,7 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   c10::cuda::CUDAGuard guard(o_part.device());
   auto i32 = o_part.options().dtype(at::kInt);
   at::Tensor seq_info = at::stack({at::full({bs}, n, i32), at::arange(bs, i32) * n}, 1).contiguous();
-  at::Tensor out = at::empty({bs, s_q, h_q, kDv}, o_part.options().dtype(at::kBFloat16));
+  at::Tensor out = at::empty({bs, s_q, h_q, dv}, o_part.options().dtype(at::kBFloat16));
   at::Tensor lse = at::empty({bs, h_q, s_q}, o_part.options());
 
   CombineParams cp{};
@@ -316,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   cp.s_q = static_cast<int>(s_q);
   cp.h_q = static_cast<int>(h_q);
   cp.rows = static_cast<int>(s_q * h_q);
-  cp.dv = static_cast<int>(kDv);
+  cp.dv = static_cast<int>(dv);
   cp.f16 = false;
   check_launch(launch_combine(cp, at::cuda::getCurrentCUDAStream().stream()), "combine launch");
   return {out, lse};
@@ -336,8 +431,8 @@ void copy_async(at::Tensor& dst, const at::Tensor& src) {
                "copy_async");
 }
 
-std::vector<int64_t> attention_info(int64_t device) {
-  const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device));
+std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {
+  const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device), dv, rope);
   return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
           i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       static_cast<int64_t>(i.kind)};
 }
@@ -347,10 +442,12 @@ std::vector<int64_t> attention_info(int64_t device) {
 TORCH_LIBRARY(mla_decode, m) {
   m.def(
       "attention(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
-      "float softmax_scale, bool causal, Tensor? kpe=None) -> (Tensor, Tensor)");
+      "float softmax_scale, bool causal, Tensor? kpe=None, int head_dim_v=512, Tensor? kpe_heads=None) "
+      "-> (Tensor, Tensor)");
   m.def(
       "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
-      "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None) -> ()");
+      "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None, int head_dim_v=512, "
+      "Tensor? kpe_heads=None) -> ()");
   m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
   m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity) -> Tensor");
 }

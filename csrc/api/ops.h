@@ -11,12 +11,14 @@ namespace mla::api {
 void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
-                   const c10::optional<at::Tensor>& kpe);
+                   const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
+                   const c10::optional<at::Tensor>& kpe_heads);
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
-                                             bool causal, const c10::optional<at::Tensor>& kpe);
+                                             bool causal, const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
+                                             const c10::optional<at::Tensor>& kpe_heads);
 
 // The split plan (csrc/kernels/attention/plan.h) the attention op would use
 // for these lengths, computed on the device: int32 [2 + 2 bs + 4 max_parts].
@@ -36,7 +38,8 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
 void copy_async(at::Tensor& dst, const at::Tensor& src);
 
 // [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
-//  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`.
-std::vector<int64_t> attention_info(int64_t device);
+//  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`
+// for value width dv and rope width rope inside the key (0: per-head rope keys).
+std::vector<int64_t> attention_info(int64_t device, int64_t dv = 512, int64_t rope = 64);
 
 }  // namespace mla::api

@@ -3,7 +3,8 @@
 //
 //   FragA, FragB, FragC          register fragments of A[16][16], B[16][16], C[16][16]
 //   load_a(FragA&, p, ld)        A row-major in shared memory (rows m, cols k)
-//   load_a_global(FragA&, p, ld, rows_valid)  same from global memory, rows >= rows_valid read as 0
+//   load_a_global(FragA&, p, ld, rows_valid[, cols_valid])  same from global memory, rows >= rows_valid
+//                                and columns >= cols_valid (a multiple of 8) read as 0
 //   load_b_nk(FragB&, p, ld)     B given as [n][k] in shared memory (a K tile: keys are rows)
 //   load_b_kn(FragB&, p, ld)     B given as [k][n] in shared memory (a V tile)
 //   mma<kF16>(FragC&, FragA, FragB)  C += A * B (bf16, or fp16 with kF16)

@@ -27,11 +27,13 @@ MLA_DEVICE void load_a(FragA& a, const bf16_t* p, int ld) {
   a.r = *reinterpret_cast<const short4_t*>(p + (lane & 15) * ld + 4 * (lane >> 4));
 }
 
-MLA_DEVICE void load_a_global(FragA& a, const bf16_t* p, int64_t ld, int rows_valid) {
+// A 16x16 tile from global memory: rows >= rows_valid and columns >= cols_valid
+// (a multiple of 8) read as zero.
+MLA_DEVICE void load_a_global(FragA& a, const bf16_t* p, int64_t ld, int rows_valid, int cols_valid = 16) {
   const int lane = thread_x() & 63;
-  const int row = lane & 15;
+  const int row = lane & 15, col = 4 * (lane >> 4);
   short4_t z = {0, 0, 0, 0};
-  a.r = row < rows_valid ? *reinterpret_cast<const short4_t*>(p + row * ld + 4 * (lane >> 4)) : z;
+  a.r = row < rows_valid && col < cols_valid ? *reinterpret_cast<const short4_t*>(p + row * ld + col) : z;
 }
 
 MLA_DEVICE void load_b_nk(FragB& b, const bf16_t* p, int ld) {

@@ -39,16 +39,23 @@ MLA_DEVICE void load_a(FragA& a, const bf16_t* p, int ld) {
   ldmatrix_x4(a.r, p + (lane & 15) * ld + 8 * (lane >> 4));
 }
 
-MLA_DEVICE void load_a_global(FragA& a, const bf16_t* p, int64_t ld, int rows_valid) {
+// A 16x16 tile from global memory: rows >= rows_valid and columns >= cols_valid
+// (a multiple of 8) read as zero.
+MLA_DEVICE void load_a_global(FragA& a, const bf16_t* p, int64_t ld, int rows_valid, int cols_valid = 16) {
   const int lane = thread_x() & 31;
   const int g = lane >> 2, t = lane & 3;
+  const bool c0 = cols_valid > 0, c1 = cols_valid > 8;
   const bool v0 = g < rows_valid, v1 = g + 8 < rows_valid;
+  if (!c0) {
+    a.r[0] = a.r[1] = a.r[2] = a.r[3] = 0u;
+    return;
+  }
   const uint32_t* r0 = reinterpret_cast<const uint32_t*>(p + g * ld + 2 * t);
   const uint32_t* r1 = reinterpret_cast<const uint32_t*>(p + (g + 8) * ld + 2 * t);
   a.r[0] = v0 ? r0[0] : 0u;
   a.r[1] = v1 ? r1[0] : 0u;
-  a.r[2] = v0 ? r0[4] : 0u;
-  a.r[3] = v1 ? r1[4] : 0u;
+  a.r[2] = v0 && c1 ? r0[4] : 0u;
+  a.r[3] = v1 && c1 ? r1[4] : 0u;
 }
 
 MLA_DEVICE void load_b_nk(FragB& b, const bf16_t* p, int ld) {

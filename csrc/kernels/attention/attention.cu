@@ -11,6 +11,14 @@
 // sequence are zero-filled (so NaN in unused cache rows never reaches P V)
 // and masked to -inf in the scores. RoPE of the keys is applied in shared
 // memory, with the caller's bf16 cos/sin table, exactly as the task rounds it.
+//
+// Shapes: D = Dv + rope with the rope columns shared by all heads (DeepSeek:
+// 512 + 64), or D = Dv with per-head rope keys (MHA2MLA): then the rope part
+// of every score, q_pe[h] . k_pe[t, h], is computed by rope_scores_kernel
+// beforehand into an fp32 workspace [bs, rows, rs_stride] that streams in
+// with the keys and is added to the latent part. D is padded to the k-split
+// (16 kWN columns) in registers and shared memory only (zeros, never read
+// from memory).
 #include <algorithm>
 
 #include "../../platform/bf16.h"
@@ -28,29 +36,33 @@ template <int kD_, int kDv_, int kWM_, int kWN_, int kBN_, int kStages_>
 struct AttnTile {
   static constexpr int kD = kD_;
   static constexpr int kDv = kDv_;
-  static constexpr int kRope = kD - kDv;
+  static constexpr int kRope = kD - kDv;           // 0: per-head rope keys (scores from the workspace)
+  static constexpr bool kHeadRope = kRope == 0;
   static constexpr int kWM = kWM_, kWN = kWN_, kBN = kBN_, kStages = kStages_;
   static constexpr int kWarps = kWM * kWN;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kM = 16 * kWM;
-  static constexpr int kLd = kD + 8;       // +16 B per row: ldmatrix rows hit distinct banks
+  static constexpr int kDp = (kD + 16 * kWN - 1) / (16 * kWN) * (16 * kWN);  // D padded to the k-split
+  static constexpr int kLd = kDp + 8;      // +16 B per row: ldmatrix rows hit distinct banks
   static constexpr int kPLd = kBN + 8;
-  static constexpr int kKSteps = kD / 16 / kWN;
+  static constexpr int kKSteps = kDp / 16 / kWN;
   static constexpr int kNTiles = kDv / 16 / kWN;
   static constexpr int kSTiles = kBN / 16;
   static constexpr int kLanesPerRow = kWarpSize / 16;
   static constexpr int kColsPerLane = kBN / kLanesPerRow;
-  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
+  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks read from memory
+  static constexpr int kChunksPadded = kDp / 8;  // ... and zero-filled up to the padded width
 
   static constexpr int kKvBytes = kStages * kBN * kLd * 2;
   static constexpr int kSBytes = kWN * kM * kBN * 4;
   static constexpr int kPBytes = kWarps * 16 * kPLd * 2;
   static constexpr int kRowBytes = kWarps * 16 * 4;
   static constexpr int kCsBytes = kStages * kBN * kRope * 2;  // RoPE cos|sin rows, prefetched with the keys
-  static constexpr int kSmem = kKvBytes + kSBytes + kPBytes + kRowBytes + kCsBytes;
+  static constexpr int kRsBytes = kHeadRope ? kStages * kM * kBN * 4 : 0;  // per-head rope scores, likewise
+  static constexpr int kSmem = kKvBytes + kSBytes + kPBytes + kRowBytes + kCsBytes + kRsBytes;
 
-  static_assert(kD % (16 * kWN) == 0 && kDv % (16 * kWN) == 0, "D and Dv must split over kWN warps");
-  static_assert(kD % 8 == 0 && kRope % 2 == 0 && kRope > 0, "bad D / rope");
+  static_assert(kDv % (16 * kWN) == 0, "Dv must split over kWN warps");
+  static_assert(kD % 8 == 0 && kRope % 8 == 0 && kRope >= 0, "bad D / rope");
   static_assert(kBN % 16 == 0 && kColsPerLane % 2 == 0, "bad key tile");
   static_assert(kStages >= 2, "need at least double buffering");
 };
@@ -59,13 +71,15 @@ struct AttnTile {
 #if MLA_AMD
 // MI300X: 64 KB LDS per CU, wave64. Q and O live in VGPRs/AGPRs (72 + 128
 // per lane), the LDS holds a 2 x 16-key ring (49 KB with the RoPE rows).
-using Tile576 = AttnTile<576, 512, 4, 1, 16, 2>;
+template <int kD, int kDv>
+using TileFor = AttnTile<kD, kDv, 4, 1, 16, 2>;
 #else
 // H100/H200 (when the Hopper kernel is not used): 8 warps, Q slice 72 + O 128
 // registers per thread, one block per SM by registers, a 3 x 32-key ring.
 // Measured on the H200 against it: a 2-deep ring (-10%), 16 warps with
 // 128-register caps (spills; -25% and -40%).
-using Tile576 = AttnTile<576, 512, 4, 2, 32, 3>;
+template <int kD, int kDv>
+using TileFor = AttnTile<kD, kDv, 4, 2, 32, 3>;
 #endif
 
 template <typename T>
@@ -85,6 +99,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
   bf16_t* p_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes);
   float* row_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes);
   bf16_t* cs_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes);
+  float* rs_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes + T::kCsBytes);
 
   Part pt;
   if (!read_part(p, block_y(), pt)) return;
@@ -101,10 +116,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
   auto load_tile = [&](int j) {
     bf16_t* dst = kv_s + (j % T::kStages) * T::kBN * T::kLd;
     const int tile = tile_begin + j;
-    for (int c = tid; c < T::kBN * T::kChunksPerRow; c += T::kThreads) {
-      const int r = c / T::kChunksPerRow, ch = c % T::kChunksPerRow;
+    for (int c = tid; c < T::kBN * T::kChunksPadded; c += T::kThreads) {
+      const int r = c / T::kChunksPadded, ch = c % T::kChunksPadded;
       const int t = tile * T::kBN + r;
-      const bool valid = t < L;
+      const bool valid = t < L && ch < T::kChunksPerRow;  // (padding columns: zeros)
       constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
       const bf16_t* src = !valid                                 ? p.kv
                           : (p.kpe != nullptr && ch >= kRopeChunk) ? p.kpe + b * p.kpe_batch_stride +
@@ -113,7 +128,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
                                                                  : kv_row<T>(p, b, t) + ch * 8;
       copy16_async(dst + r * T::kLd + ch * 8, src, valid);
     }
-    if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
+    if constexpr (T::kHeadRope) {  // the rope scores of this block's rows for these keys (4 per chunk)
+      constexpr int kRsChunks = T::kBN / 4;
+      float* rdst = rs_s + (j % T::kStages) * T::kM * T::kBN;
+      for (int c = tid; c < T::kM * kRsChunks; c += T::kThreads) {
+        const int r = c / kRsChunks, t = tile * T::kBN + 4 * (c % kRsChunks), row = block_x() * T::kM + r;
+        const bool valid = row < p.rows && t < L;  // (t + 1..3 >= L lie inside the workspace; masked later)
+        copy16_async(rdst + 4 * c, valid ? p.rope_scores + (static_cast<int64_t>(b) * p.rows + row) * p.rs_stride + t
+                                         : p.rope_scores, valid);
+      }
+    } else if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
       constexpr int kCsChunks = T::kRope / 8;
       bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope;
       for (int c = tid; c < T::kBN * kCsChunks; c += T::kThreads) {
@@ -136,7 +160,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
     const bf16_t* qp = p.q + b * p.q_batch_stride + row0 * p.q_row_stride + wn * T::kKSteps * 16;
     const int rows_valid = p.rows - row0;
 #pragma unroll
-    for (int ks = 0; ks < T::kKSteps; ++ks) mma::load_a_global(qf[ks], qp + ks * 16, p.q_row_stride, rows_valid);
+    for (int ks = 0; ks < T::kKSteps; ++ks)
+      mma::load_a_global(qf[ks], qp + ks * 16, p.q_row_stride, rows_valid, T::kD - (wn * T::kKSteps + ks) * 16);
   }
 
   mma::FragC o[T::kNTiles];
@@ -160,7 +185,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
 
     bf16_t* kt = kv_s + (j % T::kStages) * T::kBN * T::kLd;
     const int key0 = (tile_begin + j) * T::kBN;
-    if (!kF16 && p.rope_cs != nullptr) {  // (bf16 only; the host refuses rope_cs with fp16)
+    if constexpr (!T::kHeadRope) if (!kF16 && p.rope_cs != nullptr) {  // (bf16 only; the host refuses it with fp16)
       // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to bf16
       constexpr int kHalf = T::kRope / 2;
       for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
@@ -207,9 +232,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
       float sv[T::kColsPerLane];
       float mx = neg_inf();
       const int c0 = spart * T::kColsPerLane;
+      const float* rs_row = rs_s + ((j % T::kStages) * T::kM + wm * 16 + srow) * T::kBN + c0;
 #pragma unroll
       for (int c = 0; c < T::kColsPerLane; ++c) {
-        float v = 0.f;
+        float v = T::kHeadRope ? rs_row[c] : 0.f;
 #pragma unroll
         for (int w = 0; w < T::kWN; ++w) v += s_s[(w * T::kM + wm * 16 + srow) * T::kBN + c0 + c];
         v *= p.scale_log2;
@@ -428,7 +454,82 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
   }
 }
 
+// ------------------------------------------------------------ rope scores
+// Per-head rope keys: thread (key t, head slot) of a 32-key block, 8 head
+// slots; each thread holds one key's rope row of a head in registers and
+// dots it with that head's q_pe for every query token.
+constexpr int kRsBlockKeys = 32, kRsHeadSlots = 8;
+
+template <int kRope, bool kF16>
+__global__ void __launch_bounds__(kRsBlockKeys* kRsHeadSlots) rope_scores_kernel(const RopeScoreParams p) {
+  using E = Half16<kF16>;
+  constexpr int kVec = kRope / 8;  // 16-byte vectors per rope row
+  const int b = block_y();
+  const int L = min(max(p.seqlens[b], 0), p.max_len);
+  if (block_x() * kRsBlockKeys >= L) return;
+  const int t = block_x() * kRsBlockKeys + thread_x() % kRsBlockKeys;
+  const bool valid = t < L;
+  const bf16_t* krow = p.kpe;
+  if (valid) {
+    const int64_t page = p.block_table == nullptr ? b : p.block_table[b * p.block_table_stride + t / p.page_size];
+    krow = p.kpe + page * p.page_stride + static_cast<int64_t>(t % p.page_size) * p.row_stride;
+  }
+  for (int h = thread_x() / kRsBlockKeys; h < p.h_q; h += kRsHeadSlots) {
+    float k[kRope];
+    if (valid) {
+      const uint4* kv4 = reinterpret_cast<const uint4*>(krow + h * p.head_stride);
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        const uint4 w = kv4[v];
+        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          k[8 * v + 2 * e] = E::lo(ws[e]);
+          k[8 * v + 2 * e + 1] = E::hi(ws[e]);
+        }
+      }
+    }
+    for (int i = 0; i < p.s_q; ++i) {
+      const int r = i * p.h_q + h;
+      const uint4* q4 =
+          reinterpret_cast<const uint4*>(p.q + b * p.q_batch_stride + r * p.q_row_stride + p.q_col0);
+      float acc = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        const uint4 w = q4[v];
+        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc += E::lo(ws[e]) * k[8 * v + 2 * e] + E::hi(ws[e]) * k[8 * v + 2 * e + 1];
+      }
+      if (valid) p.out[(static_cast<int64_t>(b) * p.rows + r) * p.out_stride + t] = acc;
+    }
+  }
+}
+
 }  // namespace
+
+// The supported shapes: X(dv, rope inside the key; 0 = per-head rope keys).
+#define MLA_ATTN_SHAPES(X)                                          \
+  X(64, 0) X(64, 8) X(64, 16) X(64, 32) X(64, 64)                   \
+  X(128, 0) X(128, 8) X(128, 16) X(128, 32) X(128, 64)              \
+  X(256, 0) X(256, 8) X(256, 16) X(256, 32) X(256, 64)              \
+  X(512, 0) X(512, 8) X(512, 16) X(512, 32) X(512, 64)
+
+const char* const kAttnShapesSupported =
+    "supported: value width dv in {64, 128, 256, 512} with rope width in {8, 16, 32, 64}, the rope keys either "
+    "the last `rope` columns of the shared latent row (head dim d = dv + rope) or per-head rope keys "
+    "[..., h_q, rope] beside a dv-wide latent cache";
+
+bool attn_shape_supported(int dv, int rope) {
+  switch (dv * 1000 + rope) {
+#define MLA_CASE(DV, R) case DV * 1000 + R:
+    MLA_ATTN_SHAPES(MLA_CASE)
+#undef MLA_CASE
+    return true;
+    default:
+      return false;
+  }
+}
 
 template <typename T>
 const char* kernel_info(AttnKernelInfo* info) {
@@ -445,7 +546,17 @@ const char* kernel_info(AttnKernelInfo* info) {
   return nullptr;
 }
 
-const char* attn_kernel_info_576_512(AttnKernelInfo* info) { return kernel_info<Tile576>(info); }
+const char* attn_kernel_info_portable(int dv, int rope, AttnKernelInfo* info) {
+  switch (dv * 1000 + rope) {
+#define MLA_CASE(DV, R) \
+  case DV * 1000 + R:   \
+    return kernel_info<TileFor<DV + R, DV>>(info);
+    MLA_ATTN_SHAPES(MLA_CASE)
+#undef MLA_CASE
+    default:
+      return kAttnShapesSupported;
+  }
+}
 
 const char* launch_plan(const PlanParams& p, stream_t stream) {
   if (p.bs <= 0 || p.target_parts <= 0 || p.tile <= 0) return "launch_plan: bad parameters";
@@ -455,7 +566,8 @@ const char* launch_plan(const PlanParams& p, stream_t stream) {
 
 template <typename T>
 const char* launch_tile(const AttnParams& p, stream_t stream) {
-  if (p.rope != T::kRope) return "launch_attention: rope width must be 64 for D=576, Dv=512";
+  if (p.rope != T::kRope || p.dv != T::kDv || (T::kHeadRope != (p.rope_scores != nullptr)))
+    return "launch_attention: parameters do not match the kernel instance (dv, rope, rope scores)";
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention: on-the-fly key RoPE is bf16 only";
   const int head_blocks = (p.rows + T::kM - 1) / T::kM;
   dim3 grid(head_blocks, p.max_parts);
@@ -466,19 +578,52 @@ const char* launch_tile(const AttnParams& p, stream_t stream) {
   return last_launch_error();
 }
 
-const char* launch_attention_576_512(const AttnParams& p, stream_t stream) { return launch_tile<Tile576>(p, stream); }
+const char* launch_attention_portable(const AttnParams& p, stream_t stream) {
+  switch (p.dv * 1000 + p.rope) {
+#define MLA_CASE(DV, R) \
+  case DV * 1000 + R:   \
+    return launch_tile<TileFor<DV + R, DV>>(p, stream);
+    MLA_ATTN_SHAPES(MLA_CASE)
+#undef MLA_CASE
+    default:
+      return kAttnShapesSupported;
+  }
+}
+
+const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream) {
+  if (p.bs <= 0 || p.h_q <= 0 || p.s_q <= 0 || p.max_len <= 0) return nullptr;  // nothing to score
+  dim3 grid((p.max_len + kRsBlockKeys - 1) / kRsBlockKeys, p.bs);
+  const dim3 block(kRsBlockKeys * kRsHeadSlots);
+  switch (p.rope * 2 + (p.f16 ? 1 : 0)) {
+#define MLA_CASE(R)                                                              \
+  case 2 * R:                                                                    \
+    rope_scores_kernel<R, false><<<grid, block, 0, stream>>>(p);                 \
+    break;                                                                       \
+  case 2 * R + 1:                                                                \
+    rope_scores_kernel<R, true><<<grid, block, 0, stream>>>(p);                  \
+    break;
+    MLA_CASE(8) MLA_CASE(16) MLA_CASE(32) MLA_CASE(64)
+#undef MLA_CASE
+    default:
+      return "launch_rope_scores: rope width must be 8, 16, 32 or 64";
+  }
+  return last_launch_error();
+}
 
 const char* launch_combine(const CombineParams& p, stream_t stream) {
   dim3 grid(p.bs, (p.rows + kCombineWarps - 1) / kCombineWarps);
-  switch (p.dv) {
-    case 512:
-      if (p.f16)
-        combine_kernel<512, true><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
-      else
-        combine_kernel<512, false><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
-      break;
+  switch (p.dv * 2 + (p.f16 ? 1 : 0)) {
+#define MLA_CASE(DV)                                                                \
+  case 2 * DV:                                                                      \
+    combine_kernel<DV, false><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);   \
+    break;                                                                          \
+  case 2 * DV + 1:                                                                  \
+    combine_kernel<DV, true><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);    \
+    break;
+    MLA_CASE(64) MLA_CASE(128) MLA_CASE(256) MLA_CASE(512)
+#undef MLA_CASE
     default:
-      return "launch_combine: unsupported value width (supported: 512)";
+      return "launch_combine: unsupported value width (supported: 64, 128, 256, 512)";
   }
   return last_launch_error();
 }

@@ -18,15 +18,22 @@ struct AttnKernelInfo {
   int blocks_per_sm;    // resident blocks per SM/CU (occupancy calculator)
 };
 
-// The portable kernel (tile-MMA interface; the one AMD builds use),
-// D = 576 (512 latent + 64 rope), Dv = 512: the DeepSeek-V3 shapes.
-const char* attn_kernel_info_576_512(AttnKernelInfo* info);
+// The portable kernel (tile-MMA interface; the one AMD builds use), one
+// instance per supported shape: value width dv in {64, 128, 256, 512} and
+// rope width in {8, 16, 32, 64} inside the key (D = dv + rope), or rope 0:
+// per-head rope keys, scores from launch_rope_scores. DeepSeek-V3: 512, 64.
+// An unsupported shape returns kAttnShapesSupported in the message.
+extern const char* const kAttnShapesSupported;
+bool attn_shape_supported(int dv, int rope);
+const char* attn_kernel_info_portable(int dv, int rope, AttnKernelInfo* info);
+const char* launch_attention_portable(const AttnParams& p, stream_t stream);
+const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
 const char* launch_plan(const PlanParams& p, stream_t stream);
-const char* launch_attention_576_512(const AttnParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 
 // Hopper variant (attention_sm90.cu, wgmma, the two warpgroups on alternate
-// 64-key halves; NVIDIA sm_90a builds only): same contract and planner.
+// 64-key halves; NVIDIA sm_90a builds only): same contract and planner,
+// dv 512 and rope 64 only.
 const char* attn_kernel_info_sm90(AttnKernelInfo* info);
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
 

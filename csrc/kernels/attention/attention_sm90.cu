@@ -563,7 +563,8 @@ const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
 
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   using T = PairTile;
-  if (p.rope != T::kRope) return "launch_attention_sm90: rope width must be 64";
+  if (p.rope != T::kRope || p.dv != T::kDv || p.rope_scores != nullptr)
+    return "launch_attention_sm90: the Hopper kernel takes dv 512 with rope 64 shared by all heads only";
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
   dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
   if (p.f16)

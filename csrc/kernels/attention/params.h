@@ -42,10 +42,29 @@ struct AttnParams {
   int bs, s_q, h_q;
   int rows;                   // s_q * h_q
   int max_parts;              // grid.y: upper bound on planned parts
-  int rope;                   // rope width inside D (the last `rope` columns of the key)
+  const float* rope_scores;   // or nullptr: per-head rope keys, the rope part of the score of row r for key t
+                              //   of sequence b at rope_scores[(b * rows + r) * rs_stride + t] (fp32, unscaled);
+                              //   then the key is the Dv latent columns alone (rope == 0)
+  int64_t rs_stride;          // >= the key tiles' reach, a multiple of 4
+  int dv;                     // value width Dv (D = dv + rope)
+  int rope;                   // rope width inside D (the last `rope` columns of the key); 0 with rope_scores
   float scale_log2;           // softmax_scale * log2(e)
   bool causal;                // s_q > 1: query i sees positions < L - (s_q - 1 - i)
   bool f16;                   // q, kv, kpe and o hold fp16 (else bf16); on-the-fly RoPE is bf16 only
+};
+
+// Per-head rope keys (MHA2MLA): out[b, r, t] = q_pe[b, r] . k_pe[b, t, h(r)]
+// for t < L_b, in fp32, where row r = i * h_q + h and q_pe = q[..., q_col0:].
+struct RopeScoreParams {
+  const bf16_t* q;            // q_pe of row r of sequence b: q + b * q_batch_stride + r * q_row_stride + q_col0
+  const bf16_t* kpe;          // head h of row t of sequence b:
+                              //   kpe + page(b, t) * page_stride + (t % page_size) * row_stride + h * head_stride
+  const int32_t* block_table; // [bs, block_table_stride] page ids, or nullptr: page(b, t) = b
+  const int32_t* seqlens;     // [bs]
+  float* out;                 // [bs, rows, out_stride]
+  int64_t q_row_stride, q_batch_stride, page_stride, row_stride, head_stride, block_table_stride, out_stride;
+  int q_col0, page_size, max_len, bs, s_q, h_q, rows, rope;
+  bool f16;
 };
 
 // Combine: merge the split partials of every sequence that was split.

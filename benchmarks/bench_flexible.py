@@ -1,0 +1,88 @@
+"""Flexible MLA shapes: does the time follow the actual dims?
+
+    python benchmarks/bench_flexible.py [--bs 128] [--L 4096] [--json FILE]
+
+Pairs of rows, each a shape against what a caller would run without
+flexible shapes (zero-padded heads or widths): h_q 32 against 64, dv 256
+against 512, and MHA2MLA's Llama2-7B d_kv_16 (32 heads, dv 512, per-head
+rope keys of width 16). s_q=1, one KV head, equal lengths L, device events
+(median), us / TFLOP/s / GB/s / % of the floor max(bytes/BW, FLOPs/peak);
+bytes = cache rows (+ per-head rope keys) read once, q read, out written.
+The kernel column says which kernel ran (the Hopper one takes only dv 512
+with rope 64 shared)."""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mla_decode  # noqa: E402
+from mla_decode import roofline  # noqa: E402
+from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
+
+# (label, h_q, dv, rope, per-head rope keys)
+SHAPES = [
+    ("h_q 32 (DeepSeek dims)", 32, 512, 64, False),
+    ("h_q 32 padded to 64", 64, 512, 64, False),
+    ("h_q 32, rope 32", 32, 512, 32, False),
+    ("h_q 32 padded to 64, rope 32", 64, 512, 32, False),
+    ("dv 256, rope 64", 128, 256, 64, False),
+    ("dv 512, rope 64 (DeepSeek)", 128, 512, 64, False),
+    ("dv 256, rope 32", 128, 256, 32, False),
+    ("dv 512, rope 32", 128, 512, 32, False),
+    ("dv 64, rope 8, h_q 40", 40, 64, 8, False),
+    ("MHA2MLA 32 heads, 512 + 16 per head", 32, 512, 16, True),
+    ("padded: 64 heads, 512 + 32 shared", 64, 512, 32, False),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bs", type=int, default=128)
+    ap.add_argument("--L", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    why = kernels_or_reason("bench_flexible")
+    if why:
+        print(why)
+        return 1
+    name = device_name()
+    peaks = roofline.peaks_for(name)
+    from mla_decode import _C
+
+    dev = torch.cuda.current_device()
+    bs, L = args.bs, args.L
+    print(f"# flexible shapes | {mla_decode.backend()} | bs={bs} L={L} s_q=1 bf16")
+    seqlens = torch.full((bs,), L, dtype=torch.int32, device="cuda")
+    rows = []
+    for label, h_q, dv, rope, per_head in SHAPES:
+        d = dv + rope
+        kv = torch.randn(bs, L, dv if per_head else d, device="cuda", dtype=torch.bfloat16)
+        kh = torch.randn(bs, L, h_q, rope, device="cuda", dtype=torch.bfloat16) if per_head else None
+        q = torch.randn(bs, 1, h_q, d, device="cuda", dtype=torch.bfloat16)
+
+        def call():
+            mla_decode.mla_attention(q, kv, seqlens, d ** -0.5, head_dim_v=dv, kpe_heads=kh)
+
+        us = time_events(call, iters=args.iters) * 1e3
+        kind = "hopper" if _C.attention_info(dev, dv, 0 if per_head else rope)[7] == 1 else "portable"
+        fl = 2 * bs * h_q * L * (d + dv)
+        by = 2 * kv.numel() + (2 * kh.numel() if per_head else 0) + 2 * bs * h_q * (d + dv) + 4 * bs * h_q
+        row = dict(label=label, h_q=h_q, dv=dv, rope=rope, per_head=per_head, kernel=kind, **rates(us, fl, by, peaks))
+        rows.append(row)
+        print(f"  {label:<38} h_q={h_q:>3} dv={dv:>3} rope={rope:>2}{' per-head' if per_head else '         '} "
+              f"{kind:<8}: {us:8.1f} us {row['tflops']:6.1f} TFLOP/s {row['gbs']:6.0f} GB/s "
+              f"{row.get('pct_floor', float('nan')):5.1f} % of floor", flush=True)
+        del kv, kh, q
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, backend=mla_decode.backend(), bs=bs, L=L, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

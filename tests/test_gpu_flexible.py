@@ -1,0 +1,141 @@
+"""Flexible MLA shapes on the GPU: any head count, value width dv in
+{64, 128, 256, 512}, rope width in {8, 16, 32, 64}, the rope keys shared (in
+the latent row) or per head (MHA2MLA), against a float64 evaluation. Every
+cache row past a sequence's length, every unused page and the outputs are
+NaN-poisoned; invalid ids sit in unused block-table slots."""
+
+import pytest
+import torch
+
+from mla_decode import (attention_reference, flash_mla_with_kvcache, get_mla_metadata, mla_attention)
+
+from conftest import needs_gpu
+from test_gpu_attention import check
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+
+DVS = (64, 128, 256, 512)
+ROPES = (8, 16, 32, 64)
+HEADS = (8, 24, 40, 56, 128, 16, 32, 64)
+
+
+def make_flat(lens, h_q, dv, rope, per_head, s_q=1, seed=0, dtype=torch.bfloat16):
+    """q [bs, s_q, h_q, dv + rope]; kv [bs, max_seq, d or dv]; kpe_heads
+    [bs, max_seq, h_q, rope] or None. NaN past every length."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bs, max_seq, d = len(lens), max(max(lens), 1) + 5, dv + rope
+    width = dv if per_head else d
+    kv = torch.randn(bs, max_seq, width, device="cuda", generator=g).to(dtype)
+    kh = torch.randn(bs, max_seq, h_q, rope, device="cuda", generator=g).to(dtype) if per_head else None
+    for b, L in enumerate(lens):
+        kv[b, L:] = float("nan")
+        if kh is not None:
+            kh[b, L:] = float("nan")
+    q = torch.randn(bs, s_q, h_q, d, device="cuda", generator=g).to(dtype)
+    return q, kv, kh, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def make_pages(lens, block_size, h_q, dv, rope, per_head, s_q=1, seed=0, dtype=torch.bfloat16):
+    """Pages in a random order, NaN in unused pages and tails, 2**30 in
+    unused block-table slots; kpe pages share the ids of the latent pages."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    d = dv + rope
+    width = dv if per_head else d
+    used = [(L + block_size - 1) // block_size for L in lens]
+    num_blocks = sum(used) + 3
+    pages = torch.full((num_blocks, block_size, width), float("nan"), device="cuda", dtype=dtype)
+    kh = (torch.full((num_blocks, block_size, h_q, rope), float("nan"), device="cuda", dtype=dtype)
+          if per_head else None)
+    ids = torch.randperm(num_blocks, device="cuda", generator=g).tolist()
+    table = torch.full((len(lens), max(1, max(used))), 2 ** 30, dtype=torch.int32, device="cuda")
+    nxt = 0
+    for b, L in enumerate(lens):
+        for j in range(used[b]):
+            pid = ids[nxt]
+            nxt += 1
+            table[b, j] = pid
+            n = min(block_size, L - j * block_size)
+            pages[pid, :n] = torch.randn(n, width, device="cuda", generator=g).to(dtype)
+            if kh is not None:
+                kh[pid, :n] = torch.randn(n, h_q, rope, device="cuda", generator=g).to(dtype)
+    q = torch.randn(len(lens), s_q, h_q, d, device="cuda", generator=g).to(dtype)
+    return q, pages, kh, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def poisoned(q, dv):
+    bs, s_q, h_q, _ = q.shape
+    return (torch.full((bs, s_q, h_q, dv), float("nan"), dtype=q.dtype, device="cuda"),
+            torch.full((bs, h_q, s_q), float("nan"), dtype=torch.float32, device="cuda"))
+
+
+CASES = [(dv, rope, per_head) for dv in DVS for rope in ROPES for per_head in (False, True)]
+
+
+@pytest.mark.parametrize("dv,rope,per_head", CASES)
+def test_flexible_shapes(dv, rope, per_head):
+    i = CASES.index((dv, rope, per_head))
+    h_q = HEADS[i % len(HEADS)]
+    lens = [1, 63, 65, 777, 0, 2049] if i % 2 == 0 else [300, 33, 4097]
+    q, kv, kh, seqlens = make_flat(lens, h_q, dv, rope, per_head, seed=i)
+    scale = (dv + rope) ** -0.5
+    out, lse = poisoned(q, dv)
+    mla_attention(q, kv, seqlens, scale, out=out, lse=lse, head_dim_v=dv, kpe_heads=kh)
+    ro, rl = attention_reference(q, kv, seqlens, scale, head_dim_v=dv, kpe_heads=kh)
+    check(out, lse, ro, rl, f"dv={dv} rope={rope} per_head={per_head} h_q={h_q}")
+    if 0 in lens:
+        b = lens.index(0)
+        assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()
+
+
+@pytest.mark.parametrize("dv,rope", [(512, 32), (128, 64)])
+def test_flexible_rope_on_the_fly(dv, rope):
+    # the task's RoPE applied to the shared rope columns in the kernel, any rope width
+    from mla_decode import rope_table
+
+    q, kv, _, seqlens = make_flat([5, 700, 129], 24, dv, rope, False, seed=dv + rope)
+    cs = rope_table(kv.shape[1], rope, device="cuda")
+    out, lse = mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, head_dim_v=dv)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07, rope_cs=cs, head_dim_v=dv)
+    check(out, lse, ro, rl, f"rope on the fly dv={dv} rope={rope}")
+
+
+@pytest.mark.parametrize("dv,rope,per_head,block,h_q,s_q,dtype", [
+    (256, 32, True, 1, 40, 2, torch.bfloat16),
+    (128, 16, False, 16, 24, 1, torch.bfloat16),
+    (64, 8, True, 64, 56, 3, torch.bfloat16),
+    (512, 64, True, 64, 128, 1, torch.bfloat16),
+    (512, 16, False, 1, 32, 1, torch.bfloat16),
+    (512, 16, True, 16, 32, 1, torch.float16),
+    (256, 64, False, 32, 8, 4, torch.float16),
+])
+def test_flexible_serving(dv, rope, per_head, block, h_q, s_q, dtype):
+    lens = [2048, 4096, 1, 6000, 3000, s_q]
+    q, pages, kh, table, seqlens = make_pages(lens, block, h_q, dv, rope, per_head, s_q=s_q, seed=block + h_q,
+                                              dtype=dtype)
+    meta, splits = get_mla_metadata(seqlens, s_q * h_q, 1)
+    out, lse = flash_mla_with_kvcache(q, pages.unsqueeze(2), table, seqlens, dv, meta, splits, causal=s_q > 1,
+                                      kpe_cache=kh)
+    assert out.shape == (len(lens), s_q, h_q, dv) and out.dtype == dtype
+    ro, rl = attention_reference(q, pages, seqlens, (dv + rope) ** -0.5, block_table=table, causal=s_q > 1,
+                                 head_dim_v=dv, kpe_heads=kh)
+    check(out, lse, ro, rl, f"serving dv={dv} rope={rope} per_head={per_head} block={block} h_q={h_q} s_q={s_q}")
+
+
+def test_flexible_bad_inputs():
+    q, kv, kh, seqlens = make_flat([10, 20], 16, 256, 32, True)
+    with pytest.raises(ValueError, match=r"unsupported attention shape: head dim d=288 with head_dim_v=192.*"
+                                         r"supported: value width dv in \{64, 128, 256, 512\}"):
+        mla_attention(q, kv, seqlens, 0.1, head_dim_v=192, kpe_heads=kh)
+    with pytest.raises(ValueError, match=r"kpe_heads must have shape \[bs, >= max_seq_len, h_q, rope\] with "
+                                         r"h_q=16, rope=32, got \[2, 25, 8, 32\]"):
+        mla_attention(q, kv, seqlens, 0.1, head_dim_v=256, kpe_heads=kh[:, :, :8].contiguous())
+    with pytest.raises(ValueError, match=r"kv must have shape \[bs, max_seq_len, 256\]"):
+        mla_attention(q, torch.cat([kv, kv[..., :32]], -1), seqlens, 0.1, head_dim_v=256, kpe_heads=kh)
+    with pytest.raises(ValueError, match="pass neither rope_cs nor kpe"):
+        from mla_decode import rope_table
+        mla_attention(q, kv, seqlens, 0.1, head_dim_v=256, kpe_heads=kh,
+                      rope_cs=rope_table(kv.shape[1], 32, device="cuda"))
+    shifted = torch.empty(kh.numel() + 4, dtype=kh.dtype, device="cuda")[4:].view(kh.shape)  # 8 bytes off
+    shifted.copy_(kh)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mla_attention(q, kv, seqlens, 0.1, head_dim_v=256, kpe_heads=shifted)
