@@ -45,11 +45,16 @@ struct DeviceAttnInfo {
 
 // The attention kernel for `device` and the shape: the Hopper (wgmma) kernel
 // where this build carries sm_90a code, the device is compute capability 9.x
-// and the shape is DeepSeek's (dv 512, rope 64 shared), else the portable
-// tile-MMA kernel. MLA_DECODE_ATTN_KERNEL=portable|hopper overrides (for
-// measurements and tests; read once); `hopper` applies to that shape only.
-AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope) {
-  if (dv != kDv || rope != kRope) return AttnKernel::kPortable;
+// and dv is 512 with the rope keys shared (any rope width; on-the-fly RoPE
+// only at width 64), else the portable tile-MMA kernel.
+// MLA_DECODE_ATTN_KERNEL=portable|hopper overrides (for measurements and
+// tests; read once); `hopper` applies to those shapes only.
+bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
+  return dv == kDv && rope_in_key > 0 && (!rope_on_the_fly || rope_in_key == kRope);
+}
+
+AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly) {
+  if (!hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
   static const int forced = [] {
     const char* s = std::getenv("MLA_DECODE_ATTN_KERNEL");
     if (s == nullptr || *s == 0) return -1;
@@ -63,21 +68,24 @@ AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope) {
   return has_sm90a && at::cuda::getDeviceProperties(device)->major == 9 ? AttnKernel::kHopper : AttnKernel::kPortable;
 }
 
-// Kernel facts and the SM/CU count, read once per device and shape from the runtime.
-const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope) {
+// Kernel facts and the SM/CU count, read once per device and shape (and
+// whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64).
+const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope,
+                                       bool rope_on_the_fly = false) {
   static std::mutex mu;
-  static std::array<std::array<DeviceAttnInfo, kShapes>, 64> cache{};
-  static std::array<std::array<bool, kShapes>, 64> ready{};
+  static std::array<std::array<DeviceAttnInfo, 2 * kShapes>, 64> cache{};
+  static std::array<std::array<bool, 2 * kShapes>, 64> ready{};
   if (device < 0 || device >= 64) fail_value("device index out of range: " + num(int64_t{device}));
-  const int si = shape_index(dv, rope);
-  if (si < 0)
+  const int shape = shape_index(dv, rope);
+  if (shape < 0)
     fail_value("unsupported attention shape dv=" + num(dv) + ", rope=" + num(rope) + "; " + kAttnShapesSupported);
+  const int si = 2 * shape + (rope_on_the_fly ? 1 : 0);
   std::lock_guard<std::mutex> lock(mu);
   if (!ready[device][si]) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    info.kind = attn_kernel_for(device, dv, rope);
+    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly);
     check_launch(info.kind == AttnKernel::kHopper
                      ? attn_kernel_info_sm90(&info.kernel)
                      : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), &info.kernel),
@@ -267,7 +275,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
-  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key);
+  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value());
   const int64_t rows = s_q * h_q;
   auto stream = at::cuda::getCurrentCUDAStream(device).stream();
   const Planned pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream);

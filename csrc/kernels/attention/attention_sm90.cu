@@ -27,6 +27,12 @@
 //   K1 blocks 0-3,8 WG0 (after P1 V1L)    K1 blocks 4-7  WG1 (after P1 V1R)
 // Key RoPE (task semantics) rotates block 8 of a half in place, after its load
 // and while the first 32 k-steps of its S are in flight.
+//
+// Rope widths below 64 (8, 16, 32; dv stays 512): only the first `rope`
+// columns of block 8 are read from memory, for Q and for the keys; the rest
+// of the block is zero-filled, so the scores are exact and the memory traffic
+// is the real width's (the S product still spans 64 columns there: 576 of
+// 520-544 columns' work). On-the-fly RoPE takes rope 64 only.
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
 #include "../../platform/vendor.h"
@@ -236,6 +242,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     return p.kv + static_cast<int64_t>(ids_s[(jp % T::kIdRing) * T::kTileKeys + e]) * p.kv_page_stride +
            static_cast<int64_t>(key % p.page_size) * p.kv_row_stride;
   };
+  const int rope_chunks = p.rope / 8;  // 16-byte chunks of block 8 read from memory
   // column blocks [blo, bhi) (+ block 8 if with8) of half h of pair jp, then
   // arrive on mbarrier `bar` when they have landed
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
@@ -254,10 +261,11 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       unsigned char* d = dst + i * 16 * 128;
       for (int bk = blo; bk < bhi; ++bk) copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
       if (with8) {  // the rope block: from the cache, or from the separate (rotated) k_pe rows
+        const bool in_rope = valid && lc < rope_chunks;  // (columns past the rope width: zeros)
         const bf16_t* src8 = p.kpe == nullptr ? src + 8 * 64
                                               : p.kpe + b * p.kpe_batch_stride +
                                                     static_cast<int64_t>(key_base + 16 * i) * p.kpe_row_stride + lc * 8;
-        copy16_async(d + 8 * T::kBlockBytes, valid ? src8 : src, valid);
+        copy16_async(d + 8 * T::kBlockBytes, in_rope ? src8 : p.kv, in_rope);
       }
     }
     wg::cp_async_arrive(&mb[bar]);
@@ -357,8 +365,10 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       const bool valid = row_base + r < p.rows;
       const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + qc * 8 : p.q;
 #pragma unroll
-      for (int i = 0; i < T::kBlocks; ++i)
-        copy16_async(q_s + i * T::kBlockBytes + r * 128 + ((qc ^ (r & 7)) << 4), valid ? src + i * 64 : src, valid);
+      for (int i = 0; i < T::kBlocks; ++i) {
+        const bool v = valid && (i < T::kBlocks - 1 || qc < rope_chunks);
+        copy16_async(q_s + i * T::kBlockBytes + r * 128 + ((qc ^ (r & 7)) << 4), v ? src + i * 64 : p.q, v);
+      }
     }
     copy_commit();
   }
@@ -563,8 +573,9 @@ const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
 
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   using T = PairTile;
-  if (p.rope != T::kRope || p.dv != T::kDv || p.rope_scores != nullptr)
-    return "launch_attention_sm90: the Hopper kernel takes dv 512 with rope 64 shared by all heads only";
+  if (p.dv != T::kDv || p.rope_scores != nullptr || !(p.rope == 8 || p.rope == 16 || p.rope == 32 || p.rope == 64))
+    return "launch_attention_sm90: the Hopper kernel takes dv 512 with rope 8, 16, 32 or 64 shared by all heads";
+  if (p.rope_cs != nullptr && p.rope != T::kRope) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
   dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
   if (p.f16)
