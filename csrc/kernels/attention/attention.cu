@@ -54,11 +54,15 @@ struct AttnTile {
   static constexpr int kChunksPadded = kDp / 8;  // ... and zero-filled up to the padded width
 
   static constexpr int kKvBytes = kStages * kBN * kLd * 2;
-  static constexpr int kSBytes = kWN * kM * kBN * 4;
+  // score rows padded by one float: the softmax reads a column of 16 rows at
+  // once (16 rows x kBN floats would put them all in one bank)
+  static constexpr int kSLd = kBN + 1;
+  static constexpr int kSBytes = kWN * kM * kSLd * 4;
   static constexpr int kPBytes = kWarps * 16 * kPLd * 2;
   static constexpr int kRowBytes = kWarps * 16 * 4;
   static constexpr int kCsBytes = kStages * kBN * kRope * 2;  // RoPE cos|sin rows, prefetched with the keys
-  static constexpr int kRsBytes = kHeadRope ? kStages * kM * kBN * 4 : 0;  // per-head rope scores, likewise
+  static constexpr int kRsLd = kBN + 4;  // (16-byte rows for cp.async; 4-way instead of 16-way bank conflicts)
+  static constexpr int kRsBytes = kHeadRope ? kStages * kM * kRsLd * 4 : 0;  // per-head rope scores, likewise
   static constexpr int kSmem = kKvBytes + kSBytes + kPBytes + kRowBytes + kCsBytes + kRsBytes;
 
   static_assert(kDv % (16 * kWN) == 0, "Dv must split over kWN warps");
@@ -77,7 +81,8 @@ using TileFor = AttnTile<kD, kDv, 4, 1, 16, 2>;
 // H100/H200 (when the Hopper kernel is not used): 8 warps, Q slice 72 + O 128
 // registers per thread, one block per SM by registers, a 3 x 32-key ring.
 // Measured on the H200 against it: a 2-deep ring (-10%), 16 warps with
-// 128-register caps (spills; -25% and -40%).
+// 128-register caps (spills; -25% and -40%), 64-key tiles at dv <= 256
+// (845 against 797 us at dv 256, rope 64, h_q 128, L 4096; they spill at dv 512).
 template <int kD, int kDv>
 using TileFor = AttnTile<kD, kDv, 4, 2, 32, 3>;
 #endif
@@ -130,11 +135,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
     }
     if constexpr (T::kHeadRope) {  // the rope scores of this block's rows for these keys (4 per chunk)
       constexpr int kRsChunks = T::kBN / 4;
-      float* rdst = rs_s + (j % T::kStages) * T::kM * T::kBN;
+      float* rdst = rs_s + (j % T::kStages) * T::kM * T::kRsLd;
       for (int c = tid; c < T::kM * kRsChunks; c += T::kThreads) {
         const int r = c / kRsChunks, t = tile * T::kBN + 4 * (c % kRsChunks), row = block_x() * T::kM + r;
         const bool valid = row < p.rows && t < L;  // (t + 1..3 >= L lie inside the workspace; masked later)
-        copy16_async(rdst + 4 * c, valid ? p.rope_scores + (static_cast<int64_t>(b) * p.rows + row) * p.rs_stride + t
+        copy16_async(rdst + r * T::kRsLd + 4 * (c % kRsChunks), valid ? p.rope_scores + (static_cast<int64_t>(b) * p.rows + row) * p.rs_stride + t
                                          : p.rope_scores, valid);
       }
     } else if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
@@ -218,12 +223,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
           mma::mma<kF16>(sacc[n], qf[ks], bfr);
         }
       }
-      float* sw = s_s + (wn * T::kM + wm * 16) * T::kBN;
+      float* sw = s_s + (wn * T::kM + wm * 16) * T::kSLd;
 #pragma unroll
       for (int n = 0; n < T::kSTiles; ++n)
 #pragma unroll
         for (int i = 0; i < mma::kCElems; ++i)
-          sw[mma::c_row(lane, i) * T::kBN + n * 16 + mma::c_col(lane, i)] = sacc[n].v[i];
+          sw[mma::c_row(lane, i) * T::kSLd + n * 16 + mma::c_col(lane, i)] = sacc[n].v[i];
     }
     sync_threads();
 
@@ -232,12 +237,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
       float sv[T::kColsPerLane];
       float mx = neg_inf();
       const int c0 = spart * T::kColsPerLane;
-      const float* rs_row = rs_s + ((j % T::kStages) * T::kM + wm * 16 + srow) * T::kBN + c0;
+      const float* rs_row = rs_s + ((j % T::kStages) * T::kM + wm * 16 + srow) * T::kRsLd + c0;
 #pragma unroll
       for (int c = 0; c < T::kColsPerLane; ++c) {
         float v = T::kHeadRope ? rs_row[c] : 0.f;
 #pragma unroll
-        for (int w = 0; w < T::kWN; ++w) v += s_s[(w * T::kM + wm * 16 + srow) * T::kBN + c0 + c];
+        for (int w = 0; w < T::kWN; ++w) v += s_s[(w * T::kM + wm * 16 + srow) * T::kSLd + c0 + c];
         v *= p.scale_log2;
         if (key0 + c0 + c >= limit) v = neg_inf();
         sv[c] = v;
