@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
-from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
+from common import gpu_setup, rates, time_events  # noqa: E402
 
 FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # FlashMLA's kernel, measured on an H200 by this project (README, Contract)
 
@@ -30,12 +30,10 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json")
     args = ap.parse_args()
-    why = kernels_or_reason("bench_attention")
-    if why:
-        print(why)
+    setup = gpu_setup("bench_attention")
+    if setup is None:
         return 1
-    name = device_name()
-    peaks = roofline.peaks_for(name)
+    name, peaks = setup
     print(f"# attention kernel | {mla_decode.backend()} | bs={args.bs} H={args.heads} s_q=1 D=576 Dv=512")
     rows = []
     for L in args.lengths:

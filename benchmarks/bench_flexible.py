@@ -20,8 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
-from mla_decode import roofline  # noqa: E402
-from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
+from common import gpu_setup, rates, time_events  # noqa: E402
 
 # (label, h_q, dv, rope, per-head rope keys)
 SHAPES = [
@@ -46,12 +45,10 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args()
-    why = kernels_or_reason("bench_flexible")
-    if why:
-        print(why)
+    setup = gpu_setup("bench_flexible")
+    if setup is None:
         return 1
-    name = device_name()
-    peaks = roofline.peaks_for(name)
+    name, peaks = setup
     from mla_decode import _C
 
     dev = torch.cuda.current_device()

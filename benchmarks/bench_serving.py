@@ -18,8 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
-from mla_decode import roofline  # noqa: E402
-from common import device_name, kernels_or_reason, rates, time_events  # noqa: E402
+from common import gpu_setup, rates, time_events  # noqa: E402
 
 
 def paged_cache(lens, block_size, gen, dtype, order="random"):
@@ -47,12 +46,10 @@ def main():
                     help="page order: a random permutation (FlashMLA's test) or pages in order")
     ap.add_argument("--json")
     args = ap.parse_args()
-    why = kernels_or_reason("bench_serving")
-    if why:
-        print(why)
+    setup = gpu_setup("bench_serving")
+    if setup is None:
         return 1
-    name = device_name()
-    peaks = roofline.peaks_for(name)
+    name, peaks = setup
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     print(f"# serving API (flash_mla_with_kvcache) | {mla_decode.backend()} | b={args.b} h_kv=1 d=576 dv=512 "
           f"| {args.dtype} | pages {args.table}")

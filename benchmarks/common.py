@@ -20,6 +20,20 @@ def kernels_or_reason(tool):
     return f"{tool} needs the GPU kernels: {mla_decode.backend()}"
 
 
+def gpu_setup(tool):
+    """(device name, its (bandwidth, flops) peaks or None) where the GPU
+    kernels can run here; else None, after printing why (the benchmark then
+    exits 1)."""
+    why = kernels_or_reason(tool)
+    if why:
+        print(why)
+        return None
+    from mla_decode import roofline
+
+    name = device_name()
+    return name, roofline.peaks_for(name)
+
+
 def rates(us, flops, nbytes, peaks):
     """A result row: us, TFLOP/s, GB/s and, with the device's (bandwidth,
     flops) peaks, the floor max(bytes/BW, FLOPs/peak) and % of it."""
@@ -76,10 +90,9 @@ def geomean(xs):
     return p ** (1.0 / len(xs)) if xs else float("nan")
 
 
-def time_graph(fn, iters=50):
-    """Median milliseconds of a CUDA-graph replay of fn(): the device time of
-    one call with the host's launch overhead taken out (a diagnostic: fn's
-    host-side effects run once, at capture)."""
+def _capture(fn):
+    """fn() run once on a side stream (warm-up, as capture requires), then
+    captured into a CUDA graph, which is returned."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -88,7 +101,14 @@ def time_graph(fn, iters=50):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return time_events(g.replay, iters=iters)
+    return g
+
+
+def time_graph(fn, iters=50):
+    """Median milliseconds of a CUDA-graph replay of fn(): the device time of
+    one call with the host's launch overhead taken out (a diagnostic: fn's
+    host-side effects run once, at capture)."""
+    return time_events(_capture(fn).replay, iters=iters)
 
 
 def time_graph_cold(fn, iters=50, flush_mib=512):
@@ -96,14 +116,7 @@ def time_graph_cold(fn, iters=50, flush_mib=512):
     flushed before each replay (a 512 MiB buffer written in between, outside
     the timed events): device time as when the data is streamed from memory,
     as it is in a full decode step."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = _capture(fn)
     flush = torch.empty(flush_mib << 20, dtype=torch.uint8, device="cuda")
     times = []
     for i in range(iters + 3):
