@@ -20,7 +20,9 @@ Differences a caller should know:
   produced when ``get_mla_metadata`` ran: they are checked for shape and
   device, never trusted for the split itself, so a stale plan cannot give a
   wrong answer and a captured CUDA/HIP graph stays right when lengths and
-  block tables change in place.
+  block tables change in place. get_mla_metadata plans for DeepSeek's shape
+  (d 576, dv 512); a call with another shape plans with its own kernel's
+  tile, so its splits can differ from num_splits.
 - A sequence of length 0 gives out = 0 and lse = -inf (log of an empty sum),
   never NaN.
 - Supported: bf16 and fp16 (q and k_cache of one dtype; out in it, lse
