@@ -91,9 +91,9 @@ def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope
     """The op's semantics in plain PyTorch (``dtype`` math, one sequence at a
     time): the oracle of the attention tests."""
     bs, s_q, h_q, _ = q.shape
-    DV = head_dim_v  # noqa: N806 (the module constant's role, per call)
+    dv = head_dim_v
     lens = seqlens.tolist()
-    out = torch.zeros(bs, s_q, h_q, DV, dtype=dtype, device=q.device)
+    out = torch.zeros(bs, s_q, h_q, dv, dtype=dtype, device=q.device)
     lse = torch.full((bs, h_q, s_q), float("-inf"), dtype=dtype, device=q.device)
     for b in range(bs):
         L = lens[b]
@@ -107,14 +107,14 @@ def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope
             half = rope_cs.shape[1] // 2
             cos = torch.cat([rope_cs[:L, :half]] * 2, dim=-1)
             sin = torch.cat([rope_cs[:L, half:]] * 2, dim=-1)
-            k_pe = rope_rotate(rows_bf[:, DV:], cos, sin)
-            rows = torch.cat([rows[:, :DV], k_pe.to(dtype)], dim=-1)
+            k_pe = rope_rotate(rows_bf[:, dv:], cos, sin)
+            rows = torch.cat([rows[:, :dv], k_pe.to(dtype)], dim=-1)
         if kpe_heads is None:
             s = torch.einsum("ihd,ld->ihl", q[b].to(dtype), rows)
         else:  # per-head rope keys: the latent part shared, the rope part per head
             kh = kv_rows_bf16(kpe_heads, block_table, b, L).to(dtype)  # [L, h_q, rope]
-            s = (torch.einsum("ihd,ld->ihl", q[b, ..., :DV].to(dtype), rows)
-                 + torch.einsum("ihr,lhr->ihl", q[b, ..., DV:].to(dtype), kh))
+            s = (torch.einsum("ihd,ld->ihl", q[b, ..., :dv].to(dtype), rows)
+                 + torch.einsum("ihr,lhr->ihl", q[b, ..., dv:].to(dtype), kh))
         s = s * softmax_scale
         if causal and s_q > 1:
             pos = torch.arange(L, device=q.device)
@@ -124,7 +124,7 @@ def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m)
         denom = p.sum(dim=-1, keepdim=True)
-        o = torch.einsum("ihl,ld->ihd", p, rows[:, :DV]) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        o = torch.einsum("ihl,ld->ihd", p, rows[:, :dv]) / torch.where(denom > 0, denom, torch.ones_like(denom))
         out[b] = o
         lse[b] = torch.where(denom[..., 0] > 0, (m + torch.log(denom))[..., 0], torch.full_like(m[..., 0], float("-inf"))).T
     return out, lse
