@@ -8,8 +8,9 @@ against 512, and MHA2MLA's Llama2-7B d_kv_16 (32 heads, dv 512, per-head
 rope keys of width 16). s_q=1, one KV head, equal lengths L, device events
 (median), us / TFLOP/s / GB/s / % of the floor max(bytes/BW, FLOPs/peak);
 bytes = cache rows (+ per-head rope keys) read once, q read, out written.
-The kernel column says which kernel ran (the Hopper one takes only dv 512
-with rope 64 shared)."""
+The kernel column says which kernel ran (the Hopper one takes dv 128, 256
+and 512 with shared rope keys; dv 64 and per-head rope keys run the portable
+kernel)."""
 
 import argparse
 import json
@@ -32,6 +33,8 @@ SHAPES = [
     ("dv 512, rope 64 (DeepSeek)", 128, 512, 64, False),
     ("dv 256, rope 32", 128, 256, 32, False),
     ("dv 512, rope 32", 128, 512, 32, False),
+    ("dv 128, rope 64", 128, 128, 64, False),
+    ("dv 128, rope 16", 128, 128, 16, False),
     ("dv 64, rope 8, h_q 40", 40, 64, 8, False),
     ("MHA2MLA 32 heads, 512 + 16 per head", 32, 512, 16, True),
     ("padded: 64 heads, 512 + 32 shared", 64, 512, 32, False),

@@ -87,7 +87,7 @@ def test_flexible_shapes(dv, rope, per_head):
         assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()
 
 
-@pytest.mark.parametrize("dv,rope", [(512, 32), (128, 64)])
+@pytest.mark.parametrize("dv,rope", [(512, 32), (128, 64), (256, 64), (64, 64)])
 def test_flexible_rope_on_the_fly(dv, rope):
     # the task's RoPE applied to the shared rope columns in the kernel, any rope width
     from mla_decode import rope_table
@@ -107,6 +107,8 @@ def test_flexible_rope_on_the_fly(dv, rope):
     (512, 16, False, 1, 32, 1, torch.bfloat16),
     (512, 16, True, 16, 32, 1, torch.float16),
     (256, 64, False, 32, 8, 4, torch.float16),
+    (256, 8, False, 1, 128, 2, torch.bfloat16),
+    (128, 64, False, 64, 64, 1, torch.float16),
 ])
 def test_flexible_serving(dv, rope, per_head, block, h_q, s_q, dtype):
     lens = [2048, 4096, 1, 6000, 3000, s_q]

@@ -45,12 +45,13 @@ struct DeviceAttnInfo {
 
 // The attention kernel for `device` and the shape: the Hopper (wgmma) kernel
 // where this build carries sm_90a code, the device is compute capability 9.x
-// and dv is 512 with the rope keys shared (any rope width; on-the-fly RoPE
-// only at width 64), else the portable tile-MMA kernel.
+// and dv is 128, 256 or 512 with the rope keys shared (any rope width;
+// on-the-fly RoPE only at width 64), else the portable tile-MMA kernel.
 // MLA_DECODE_ATTN_KERNEL=portable|hopper overrides (for measurements and
 // tests; read once); `hopper` applies to those shapes only.
 bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
-  return dv == kDv && rope_in_key > 0 && (!rope_on_the_fly || rope_in_key == kRope);
+  return sm90_shape_supported(static_cast<int>(dv), static_cast<int>(rope_in_key)) &&
+         (!rope_on_the_fly || rope_in_key == kRope);
 }
 
 AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly) {
@@ -87,7 +88,7 @@ const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rop
     DeviceAttnInfo info;
     info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly);
     check_launch(info.kind == AttnKernel::kHopper
-                     ? attn_kernel_info_sm90(&info.kernel)
+                     ? attn_kernel_info_sm90(static_cast<int>(dv), &info.kernel)
                      : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), &info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)

@@ -33,8 +33,10 @@ const char* launch_combine(const CombineParams& p, stream_t stream);
 
 // Hopper variant (attention_sm90.cu, wgmma, the two warpgroups on alternate
 // 64-key halves; NVIDIA sm_90a builds only): same contract and planner,
-// dv 512 and rope 64 only.
-const char* attn_kernel_info_sm90(AttnKernelInfo* info);
+// dv 128, 256 or 512 with rope keys shared by all heads, rope 8-64
+// (on-the-fly key RoPE: rope 64). Other shapes: the portable kernel.
+bool sm90_shape_supported(int dv, int rope);
+const char* attn_kernel_info_sm90(int dv, AttnKernelInfo* info);
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
 
 }  // namespace mla

@@ -5,10 +5,11 @@
 // Same contract, planner, partial layout and combine as attention.cu. One
 // block = 64 query rows x one planned part; the planner's tile is a PAIR of
 // 64-key halves, K0 (keys 0..63 of the pair) and K1 (64..127), each in its own
-// shared buffer. Warpgroup 0 owns output columns [0, 256) (O_L), warpgroup 1
-// owns [256, 512) (O_R); a running row max m is shared through shared memory.
-// Per pair:
-//   WG0: S0 = Q K0^T (all 576 columns), m0 = max(m, rowmax S0), P0 = exp(S0 - m0),
+// shared buffer. Written for value width dv = 128, 256 or 512 (DeepSeek: 512):
+// the key is NB = dv / 64 latent column blocks + one rope block. Warpgroup 0
+// owns output columns [0, dv/2) (O_L), warpgroup 1 [dv/2, dv) (O_R); a
+// running row max m is shared through shared memory. Per pair:
+//   WG0: S0 = Q K0^T (all columns), m0 = max(m, rowmax S0), P0 = exp(S0 - m0),
 //        O_L = O_L * exp(m - m0) + P0 V0L                         (P0 from registers)
 //   WG1: S1 = Q K1^T, m1 = max(m0, rowmax S1), P1 = exp(S1 - m1),
 //        O_R = O_R * exp(m - m1) + P1 V1R                         (P1 from registers)
@@ -17,22 +18,23 @@
 // so one warpgroup's softmax runs while the other's matrix products do, and
 // the next pair's S is issued while the last P V is still in flight.
 //
-// Shared memory: Q, K0, K1 (64 rows x 576, 128B-swizzled 64-column blocks) and
-// a few hundred bytes. P0 and P1 live in column block 8 (the rope block) of
-// their own key buffer, which nothing reads between its S and its reload.
-// Loads are cp.async, each group completing an mbarrier; the loads of a
-// buffer's column blocks are issued by the warpgroup whose matrix product was
-// the last to read them:
-//   K0 blocks 0-3  WG0 (after P0 V0L)     K0 blocks 4-8  WG1 (after P0 V0R; block 8 held P0)
-//   K1 blocks 0-3,8 WG0 (after P1 V1L)    K1 blocks 4-7  WG1 (after P1 V1R)
-// Key RoPE (task semantics) rotates block 8 of a half in place, after its load
-// and while the first 32 k-steps of its S are in flight.
+// Shared memory: Q, K0, K1 (64 rows x (NB + 1) 128B-swizzled 64-column
+// blocks) and a few hundred bytes. P0 and P1 live in column block NB (the
+// rope block) of their own key buffer, which nothing reads between its S and
+// its reload. Loads are cp.async, each group completing an mbarrier; the
+// loads of a buffer's column blocks are issued by the warpgroup whose matrix
+// product was the last to read them (H = NB / 2; at dv 512: H = 4, NB = 8):
+//   K0 blocks [0, H)      WG0 (after P0 V0L)   K0 blocks [H, NB]  WG1 (after P0 V0R; block NB held P0)
+//   K1 blocks [0, H) + NB WG0 (after P1 V1L)   K1 blocks [H, NB)  WG1 (after P1 V1R)
+// Key RoPE (task semantics) rotates block NB of a half in place, after its
+// load and while the first k-steps of its S are in flight.
 //
-// Rope widths below 64 (8, 16, 32; dv stays 512): only the first `rope`
-// columns of block 8 are read from memory, for Q and for the keys; the rest
-// of the block is zero-filled, so the scores are exact and the memory traffic
-// is the real width's (the S product still spans 64 columns there: 576 of
-// 520-544 columns' work). On-the-fly RoPE takes rope 64 only.
+// Rope widths below 64 (8, 16, 32): only the first `rope` columns of block
+// NB are read from memory, for Q and for the keys; the rest of the block is
+// zero-filled, so the scores are exact and the memory traffic is the real
+// width's (the S product still spans 64 columns there). On-the-fly RoPE takes
+// rope 64 only. dv 64 (one latent block, no even split) and per-head rope
+// keys run on the portable kernel.
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
 #include "../../platform/vendor.h"
@@ -45,20 +47,32 @@ namespace mla {
 #if MLA_NVIDIA
 namespace {
 
+constexpr int kBlockBytes = 64 * 128;  // one 64-column (128 B) block of 64 rows, every width
+
+// Geometry for value width kDv_ (128, 256 or 512): the key is kNB latent
+// column blocks + one rope block (the rope width, up to 64, zero-padded).
+template <int kDv_>
 struct PairTile {
-  static constexpr int kD = 576, kDv = 512, kRope = 64;
+  static constexpr int kDv = kDv_;
+  static constexpr int kRope = 64;                       // the rope block's width (on-the-fly RoPE: all of it)
+  static constexpr int kNB = kDv / 64;                   // latent column blocks; block kNB is the rope block
+  static constexpr int kHalfNB = kNB / 2;                // latent blocks whose V columns one warpgroup owns
+  static constexpr int kN = kDv / 2;                     // output columns per warpgroup (the P V wgmma's N)
+  static constexpr int kORegs = kN / 2;                  // O accumulator floats per thread
+  static constexpr int kSteps = 4 * (kNB + 1);           // k16 steps of S = Q K^T
   static constexpr int kM = 64;                          // query rows per block
   static constexpr int kHalf = 64;                       // keys per half (per warpgroup)
   static constexpr int kTileKeys = 2 * kHalf;            // the planner's unit
   static constexpr int kThreads = 256;                   // two warpgroups
-  static constexpr int kBlocks = kD / 64;                // 64-column (128 B) blocks
-  static constexpr int kBlockBytes = 64 * 128;           // one column block of 64 rows
+  static constexpr int kBlocks = kNB + 1;                // 64-column (128 B) blocks
+  static constexpr int kBlockBytes = mla::kBlockBytes;
   static constexpr int kMatBytes = kBlocks * kBlockBytes;  // Q, K0 or K1
   static constexpr int kIdRing = 3;                      // pairs of block-table ids held in shared memory
   static constexpr int kSmem = 1024 /*alignment*/ + 3 * kMatBytes + 3 * kM * 4 /*sM, sL*/ + 4 * 8 /*mbarriers*/ +
                                kIdRing * kTileKeys * 4 /*page ids*/;
-  static_assert(kD == 576 && kDv == 512 && kRope == 64 && kM == kHalf,
-                "the pair kernel is written for 576/512/64 and 64-row tiles");
+  static_assert(kDv == 128 || kDv == 256 || kDv == 512, "the pair kernel takes dv 128, 256 or 512");
+  static_assert(kM == kHalf && kRope == 64 && 2 * kHalfNB == kNB && 2 * kORegs == kN && kSteps == 4 * kBlocks,
+                "64-row tiles, one 64-wide rope block, the latent blocks split evenly between the warpgroups");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -67,38 +81,38 @@ enum : int { kBarM0 = 1, kBarM1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg0 = 5 /* 6: w
 // mbarriers: K0 blocks 0-3, K0 blocks 4-8, K1 blocks 0-3 + 8, K1 blocks 4-7
 enum : int { kMbK0a = 0, kMbK0b = 1, kMbK1a = 2, kMbK1b = 3 };
 
-// S k-steps [K0, K1) of 36: Q block k/4, 32-byte step k%4, all compile-time.
+// S k-steps [K0, K1): Q block k/4, 32-byte step k%4, all compile-time.
 template <int K0, int K1, bool kF16>
 MLA_DEVICE void s_steps(float (&s)[32], uint64_t dq, uint64_t dk) {
 #pragma unroll
   for (int k = K0; k < K1; ++k) {
-    constexpr int kB = PairTile::kBlockBytes;
-    const uint32_t off = (k >> 2) * kB + (k & 3) * 32;
-    wg::wgmma_m64n64k16_ss<kF16>(s, dq + (off >> 4), dk + (off >> 4), k > 0 ? 1 : 0);
+    const uint32_t off = (k >> 2) * kBlockBytes + (k & 3) * 32;
+    wg::wgmma_ss_kk<64, kF16>(s, dq + (off >> 4), dk + (off >> 4), k > 0 ? 1 : 0);
   }
 }
 
 // O += P V over 64 keys: P from registers (the S accumulator layout is the A layout).
-template <bool kF16>
-MLA_DEVICE void pv_regs(float (&o)[128], const uint32_t (&pa)[16], uint64_t dv) {
+template <int N, bool kF16>
+MLA_DEVICE void pv_regs(float (&o)[N / 2], const uint32_t (&pa)[16], uint64_t dv) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     const uint32_t a[4] = {pa[4 * kk + 0], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-    wg::wgmma_m64n256k16_rs_tb<kF16>(o, a, dv + ((kk * 16 * 128) >> 4));
+    wg::wgmma_rs_tb<N, kF16>(o, a, dv + ((kk * 16 * 128) >> 4));
   }
 }
 
 // O += P V over 64 keys: P from shared memory (K-major, 128B-swizzled, 64 x 64).
-template <bool kF16>
-MLA_DEVICE void pv_smem(float (&o)[128], uint64_t dp, uint64_t dv) {
+template <int N, bool kF16>
+MLA_DEVICE void pv_smem(float (&o)[N / 2], uint64_t dp, uint64_t dv) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wg::wgmma_m64n256k16_ss_tb<kF16>(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+  for (int kk = 0; kk < 4; ++kk) wg::wgmma_ss_tb<N, kF16>(o, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
 }
 
-MLA_DEVICE void scale_rows(float (&o)[128], float a0, float a1) {
+template <int R>
+MLA_DEVICE void scale_rows(float (&o)[R], float a0, float a1) {
   if (a0 != 1.f || a1 != 1.f) {  // exact: a row whose max did not move has factor 1
 #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
+    for (int i = 0; i < R; ++i) o[i] *= (i & 2) ? a1 : a0;
   }
 }
 
@@ -155,8 +169,8 @@ MLA_DEVICE float rescale(float from, float to) { return from == neg_inf() ? 0.f 
 
 // One online-softmax step of a warpgroup: rows moved to maxima n0 / n1; P
 // into s (fp32, kept) and pa (bf16), row sums and O rescaled to the new max.
-template <bool kF16>
-MLA_DEVICE void softmax_step(float (&s)[32], uint32_t (&pa)[16], float (&o)[128], float n0, float n1, float& m_a,
+template <bool kF16, int R>
+MLA_DEVICE void softmax_step(float (&s)[32], uint32_t (&pa)[16], float (&o)[R], float n0, float n1, float& m_a,
                              float& m_b, float& l_a, float& l_b) {
   const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
   float sum0, sum1;
@@ -182,10 +196,13 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // kF16: q, kv and o hold fp16 (else bf16; on-the-fly key RoPE only then).
-template <bool kF16>
-__global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(const AttnParams p) {
+// kDv: value width (128, 256, 512).
+template <bool kF16, int kDv>
+__global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
+    attention_sm90_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = PairTile;
+  using T = PairTile<kDv>;
+  constexpr int kNB = T::kNB, kHB = T::kHalfNB;
   using E = Half16<kF16>;
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -242,8 +259,8 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     return p.kv + static_cast<int64_t>(ids_s[(jp % T::kIdRing) * T::kTileKeys + e]) * p.kv_page_stride +
            static_cast<int64_t>(key % p.page_size) * p.kv_row_stride;
   };
-  const int rope_chunks = p.rope / 8;  // 16-byte chunks of block 8 read from memory
-  // column blocks [blo, bhi) (+ block 8 if with8) of half h of pair jp, then
+  const int rope_chunks = p.rope / 8;  // 16-byte chunks of the rope block read from memory
+  // column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of pair jp, then
   // arrive on mbarrier `bar` when they have landed
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
     unsigned char* dst = k_s + h * T::kMatBytes + lsmem;
@@ -262,10 +279,10 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       for (int bk = blo; bk < bhi; ++bk) copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
       if (with8) {  // the rope block: from the cache, or from the separate (rotated) k_pe rows
         const bool in_rope = valid && lc < rope_chunks;  // (columns past the rope width: zeros)
-        const bf16_t* src8 = p.kpe == nullptr ? src + 8 * 64
+        const bf16_t* src8 = p.kpe == nullptr ? src + kNB * 64
                                               : p.kpe + b * p.kpe_batch_stride +
                                                     static_cast<int64_t>(key_base + 16 * i) * p.kpe_row_stride + lc * 8;
-        copy16_async(d + 8 * T::kBlockBytes, in_rope ? src8 : p.kv, in_rope);
+        copy16_async(d + kNB * T::kBlockBytes, in_rope ? src8 : p.kv, in_rope);
       }
     }
     wg::cp_async_arrive(&mb[bar]);
@@ -280,7 +297,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     if (key < L) prefetch_l2(p.block_table + b * p.block_table_stride + key / p.page_size);
   };
 
-  // ---- key RoPE of half h of pair jp, in place in its block 8: thread
+  // ---- key RoPE of half h of pair jp, in place in its rope block: thread
   // (row t/2, hh = t%2) rotates pairs (j, j + 32) for j in [16 hh, 16 hh + 16).
   const bool rope = !kF16 && p.rope_cs != nullptr;  // (the host refuses rope_cs with fp16)
   auto rotate_half = [&](int jp, int h) {
@@ -288,7 +305,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
     if (key < L) {
       const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
-      unsigned char* blk = k_s + h * T::kMatBytes + 8 * T::kBlockBytes + row * 128;
+      unsigned char* blk = k_s + h * T::kMatBytes + kNB * T::kBlockBytes + row * 128;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const uint4 cw = cs[2 * hh + c], sw = cs[4 + 2 * hh + c];
@@ -317,18 +334,18 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
 
   const uint64_t dq = wg::desc_sw128(q_s, 16, 1024);
   const uint64_t dk = wg::desc_sw128(k_s + wg * T::kMatBytes, 16, 1024);  // this warpgroup's half
-  // V halves: this warpgroup's 256 columns of K0 / K1, read MN-major
-  const uint64_t dv0 = wg::desc_sw128(k_s + 4 * wg * T::kBlockBytes, T::kBlockBytes, 1024);
-  const uint64_t dv1 = wg::desc_sw128(k_s + T::kMatBytes + 4 * wg * T::kBlockBytes, T::kBlockBytes, 1024);
-  // P of the OTHER warpgroup's half: block 8 of K1 (for WG0) / K0 (for WG1)
-  unsigned char* p_mine = k_s + wg * T::kMatBytes + 8 * T::kBlockBytes;
-  const uint64_t dp_other = wg::desc_sw128(k_s + (1 - wg) * T::kMatBytes + 8 * T::kBlockBytes, 16, 1024);
+  // V halves: this warpgroup's kN columns of K0 / K1, read MN-major
+  const uint64_t dv0 = wg::desc_sw128(k_s + kHB * wg * T::kBlockBytes, T::kBlockBytes, 1024);
+  const uint64_t dv1 = wg::desc_sw128(k_s + T::kMatBytes + kHB * wg * T::kBlockBytes, T::kBlockBytes, 1024);
+  // P of the OTHER warpgroup's half: the rope block of K1 (for WG0) / K0 (for WG1)
+  unsigned char* p_mine = k_s + wg * T::kMatBytes + kNB * T::kBlockBytes;
+  const uint64_t dp_other = wg::desc_sw128(k_s + (1 - wg) * T::kMatBytes + kNB * T::kBlockBytes, 16, 1024);
 
   // a half whose first key is past the length (the second half of a short
   // last tile): no S, no P V for it (same answer for every thread of the block)
   auto half_empty = [&](int jp, int h) { return (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf >= L; };
 
-  // S of this warpgroup's half of pair jp: blocks 0-3, 4-7 as they land, then
+  // S of this warpgroup's half of pair jp: blocks [0, kHB), [kHB, kNB) as they land, then
   // the rope block (rotated meanwhile). `between` runs after the first group
   // is issued (warpgroup 0 releases K1 there).
   auto issue_s = [&](float (&s)[32], int jp, auto between) {
@@ -342,17 +359,17 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     wg::mbar_wait(&mb[wg == 0 ? kMbK0a : kMbK1a], par);
     wg::fence_proxy_async();
     wg::fence();
-    s_steps<0, 16, kF16>(s, dq, dk);
+    s_steps<0, 4 * kHB, kF16>(s, dq, dk);
     wg::commit();
     between();
     wg::mbar_wait(&mb[wg == 0 ? kMbK0b : kMbK1b], par);
     wg::fence_proxy_async();
     wg::fence();  // after the (per-thread) wait loop: else ptxas inserts one and serializes
-    s_steps<16, 32, kF16>(s, dq, dk);
+    s_steps<4 * kHB, 4 * kNB, kF16>(s, dq, dk);
     wg::commit();
     if (rope) rotate_half(jp, wg);
     wg::fence();
-    s_steps<32, 36, kF16>(s, dq, dk);
+    s_steps<4 * kNB, T::kSteps, kF16>(s, dq, dk);
     wg::commit();
   };
 
@@ -378,11 +395,11 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
   sync_threads();  // mbarriers initialised, page ids of pairs 0 and 1 stored
   if (npairs > 0) {
     if (wg == 0) {
-      load_half(0, 0, 0, 4, false, kMbK0a);
-      load_half(0, 1, 0, 4, true, kMbK1a);
+      load_half(0, 0, 0, kHB, false, kMbK0a);
+      load_half(0, 1, 0, kHB, true, kMbK1a);
     } else {
-      load_half(0, 0, 4, 8, true, kMbK0b);
-      load_half(0, 1, 4, 8, false, kMbK1b);
+      load_half(0, 0, kHB, kNB, true, kMbK0b);
+      load_half(0, 1, kHB, kNB, false, kMbK1b);
     }
   }
   copy_wait<0>();  // Q (the committed group)
@@ -395,9 +412,9 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
     lim0 = min(L, L - (p.s_q - 1 - (row_base + r0) / p.h_q));
     lim1 = min(L, L - (p.s_q - 1 - (row_base + r1) / p.h_q));
   }
-  float o[128];
+  float o[T::kORegs];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  for (int i = 0; i < T::kORegs; ++i) o[i] = 0.f;
   float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;  // rows r0, r1: this warpgroup's view
   float s[32];
   uint32_t pa[16];
@@ -428,10 +445,10 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       wg::named_arrive(kBarM0, 256);
       // O_L += P0 V0L
       wg::fence();
-      pv_regs<kF16>(o, pa, dv0);
+      pv_regs<T::kN, kF16>(o, pa, dv0);
       wg::commit();
       wg::wait<0>();
-      if (more) load_half(jp + 1, 0, 0, 4, false, kMbK0a);  // K0 blocks 0-3: read by nothing else now
+      if (more) load_half(jp + 1, 0, 0, kHB, false, kMbK0a);  // K0 blocks [0, kHB): read by nothing else now
       store_id(jp + 2, t, next_id);
       // warpgroup 1's max -> P0 rescaled for it
       wg::named_sync(kBarM1, 256);
@@ -454,13 +471,13 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       scale_rows(o, d0, d1);
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_smem<kF16>(o, dp_other, dv1);
+        pv_smem<T::kN, kF16>(o, dp_other, dv1);
         wg::commit();
       }
       if (more) {
         issue_s(s, jp + 1, [&] {
-          wg::wait<1>();                                // P1 V1L done: K1 blocks 0-3 and 8 are free
-          load_half(jp + 1, 1, 0, 4, true, kMbK1a);
+          wg::wait<1>();  // P1 V1L done: K1 blocks [0, kHB) and the rope block are free
+          load_half(jp + 1, 1, 0, kHB, true, kMbK1a);
         });
       }
       wg::wait<0>();
@@ -484,18 +501,18 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       // O_R += P1 V1R, then += P0' V0R once warpgroup 0 has stored P0'
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_regs<kF16>(o, pa, dv1);
+        pv_regs<T::kN, kF16>(o, pa, dv1);
         wg::commit();
       }
       wg::named_sync(kBarP0, 256);
       wg::fence();
-      pv_smem<kF16>(o, dp_other, dv0);
+      pv_smem<T::kN, kF16>(o, dp_other, dv0);
       wg::commit();
-      wg::wait<1>();  // P1 V1R done: K1 blocks 4-7 are free
-      if (more) load_half(jp + 1, 1, 4, 8, false, kMbK1b);
-      wg::wait<0>();  // P0 V0R done: K0 blocks 4-8 (8 held P0) are free
+      wg::wait<1>();  // P1 V1R done: K1 blocks [kHB, kNB) are free
+      if (more) load_half(jp + 1, 1, kHB, kNB, false, kMbK1b);
+      wg::wait<0>();  // P0 V0R done: K0 blocks [kHB, kNB] (the rope block held P0) are free
       if (more) {
-        load_half(jp + 1, 0, 4, 8, true, kMbK0b);
+        load_half(jp + 1, 0, kHB, kNB, true, kMbK0b);
         issue_s(s, jp + 1, [] {});
         wg::wait<0>();
       }
@@ -512,7 +529,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
 
   constexpr float kLn2 = 0.69314718055994531f;
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const int col0 = 256 * wg + 2 * t4;
+  const int col0 = T::kN * wg + 2 * t4;
   if (pt.nsplit == 1) {
     if (wg == 0 && t4 == 0) {
 #pragma unroll
@@ -531,7 +548,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       const float sc = h ? inv1 : inv0;
       bf16_t* orow = p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv + col0;
 #pragma unroll
-      for (int jn = 0; jn < 32; ++jn)
+      for (int jn = 0; jn < T::kN / 8; ++jn)
         *reinterpret_cast<uint32_t*>(orow + 8 * jn) = E::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
     }
   } else {
@@ -544,7 +561,7 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
       if (wg == 0 && t4 == 0) p.lse_part[prow + r] = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
       float* orow = p.o_part + (prow + r) * T::kDv + col0;
 #pragma unroll
-      for (int jn = 0; jn < 32; ++jn)
+      for (int jn = 0; jn < T::kN / 8; ++jn)
         *reinterpret_cast<float2*>(orow + 8 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
     }
   }
@@ -553,41 +570,68 @@ __global__ void __launch_bounds__(PairTile::kThreads, 1) attention_sm90_kernel(c
 #endif
 }
 
-}  // namespace
-
-const char* attn_kernel_info_sm90(AttnKernelInfo* info) {
-  using T = PairTile;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true>, T::kSmem)) return e;
+template <int kDv>
+const char* kernel_info(AttnKernelInfo* info) {
+  using T = PairTile<kDv>;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv>, T::kSmem)) return e;
   info->rows_per_block = T::kM;
   info->tile = T::kTileKeys;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  const int bf = max_active_blocks(attention_sm90_kernel<false>, T::kThreads, T::kSmem);
-  const int hf = max_active_blocks(attention_sm90_kernel<true>, T::kThreads, T::kSmem);
+  const int bf = max_active_blocks(attention_sm90_kernel<false, kDv>, T::kThreads, T::kSmem);
+  const int hf = max_active_blocks(attention_sm90_kernel<true, kDv>, T::kThreads, T::kSmem);
   info->blocks_per_sm = bf < hf ? bf : hf;
   if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }
 
-const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
-  using T = PairTile;
-  if (p.dv != T::kDv || p.rope_scores != nullptr || !(p.rope == 8 || p.rope == 16 || p.rope == 32 || p.rope == 64))
-    return "launch_attention_sm90: the Hopper kernel takes dv 512 with rope 8, 16, 32 or 64 shared by all heads";
-  if (p.rope_cs != nullptr && p.rope != T::kRope) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
-  if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
+template <int kDv>
+const char* launch(const AttnParams& p, stream_t stream) {
+  using T = PairTile<kDv>;
   dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
   if (p.f16)
-    attention_sm90_kernel<true><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+    attention_sm90_kernel<true, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p);
   else
-    attention_sm90_kernel<false><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+    attention_sm90_kernel<false, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p);
   return last_launch_error();
+}
+
+constexpr const char* kSm90Shapes =
+    "the Hopper kernel takes dv 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads";
+
+}  // namespace
+
+bool sm90_shape_supported(int dv, int rope) {
+  return (dv == 128 || dv == 256 || dv == 512) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
+}
+
+const char* attn_kernel_info_sm90(int dv, AttnKernelInfo* info) {
+  switch (dv) {
+    case 128: return kernel_info<128>(info);
+    case 256: return kernel_info<256>(info);
+    case 512: return kernel_info<512>(info);
+    default: return kSm90Shapes;
+  }
+}
+
+const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
+  if (p.rope_scores != nullptr || !sm90_shape_supported(p.dv, p.rope)) return kSm90Shapes;
+  if (p.rope_cs != nullptr && p.rope != 64) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
+  if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
+  switch (p.dv) {
+    case 128: return launch<128>(p, stream);
+    case 256: return launch<256>(p, stream);
+    case 512: return launch<512>(p, stream);
+    default: return kSm90Shapes;
+  }
 }
 
 #else  // AMD: the Hopper kernel does not exist there
 
-const char* attn_kernel_info_sm90(AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
+bool sm90_shape_supported(int, int) { return false; }
+const char* attn_kernel_info_sm90(int, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
 const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
 
 #endif
