@@ -2,7 +2,9 @@
 
     python benchmarks/bench_attention.py [--lengths 513 2049 4097 6145] [--json FILE]
 
-Device events, median of many runs, caches rotated so they do not sit in L2.
+Device events around --batch calls back to back (the launch queue kept full:
+the device time per call, host launch overhead not counted; --batch 1 counts
+it), median of many runs, caches rotated so they do not sit in L2.
 Reports us, TFLOP/s, GB/s and % of the attention floor (max(bytes/BW,
 FLOPs/peak) with mla_decode.roofline's peaks for the device)."""
 
@@ -28,6 +30,7 @@ def main():
     ap.add_argument("--bs", type=int, default=128)
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=10, help="calls per event pair (1: host overhead counted)")
     ap.add_argument("--json")
     args = ap.parse_args()
     setup = gpu_setup("bench_attention")
@@ -60,7 +63,7 @@ def main():
                 mla_decode.mla_attention(q, kv, seqlens, 0.0722, rope_cs=cs if rope == "yes" else None, out=out,
                                          lse=lse, kpe=kpe)
 
-            ms = time_events(call, iters=args.iters)
+            ms = time_events(call, iters=args.iters, batch=args.batch)
             us = ms * 1e3
             fl = roofline.attention_flops(args.bs, L, args.heads)
             by = roofline.attention_bytes(args.bs, L, args.heads)

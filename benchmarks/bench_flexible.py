@@ -6,8 +6,8 @@ Pairs of rows, each a shape against what a caller would run without
 flexible shapes (zero-padded heads or widths): h_q 32 against 64, dv 256
 against 512, and MHA2MLA's Llama2-7B d_kv_16 (32 heads, dv 512, per-head
 rope keys of width 16). s_q=1, one KV head, equal lengths L, device events
-(median), us / TFLOP/s / GB/s / % of the floor max(bytes/BW, FLOPs/peak);
-bytes = cache rows (+ per-head rope keys) read once, q read, out written.
+around --batch calls back to back (device time per call), median; us /
+TFLOP/s / GB/s / % of the floor max(bytes/BW, FLOPs/peak); bytes = cache rows (+ per-head rope keys) read once, q read, out written.
 The kernel column says which kernel ran (the Hopper one takes dv 128, 256
 and 512 with shared rope keys; dv 64 and per-head rope keys run the portable
 kernel)."""
@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--bs", type=int, default=128)
     ap.add_argument("--L", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=10, help="calls per event pair (1: host overhead counted)")
     ap.add_argument("--json")
     args = ap.parse_args()
     setup = gpu_setup("bench_flexible")
@@ -68,7 +69,7 @@ def main():
         def call():
             mla_decode.mla_attention(q, kv, seqlens, d ** -0.5, head_dim_v=dv, kpe_heads=kh)
 
-        us = time_events(call, iters=args.iters) * 1e3
+        us = time_events(call, iters=args.iters, batch=args.batch) * 1e3
         kind = "hopper" if _C.attention_info(dev, dv, 0 if per_head else rope)[7] == 1 else "portable"
         fl = 2 * bs * h_q * L * (d + dv)
         by = 2 * kv.numel() + (2 * kh.numel() if per_head else 0) + 2 * bs * h_q * (d + dv) + 4 * bs * h_q

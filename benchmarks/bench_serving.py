@@ -5,7 +5,9 @@ b=128, one KV head, h_q in 16..128, s_q 1 and 2, variable lengths
 
     python benchmarks/bench_serving.py [--means 4096 8192 16384] [--heads ...] [--dtype bf16|fp16] [--json FILE]
 
-Device events, median of many calls (the metadata computed once, outside).
+Device events around --batch calls back to back (device time per call, host
+launch overhead not counted; --batch 1 counts it), median of many runs (the
+metadata computed once, outside).
 us, TFLOP/s, GB/s and % of the attention floor max(bytes/BW, FLOPs/peak)."""
 
 import argparse
@@ -41,6 +43,7 @@ def main():
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--b", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=10, help="calls per event pair (1: host overhead counted)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--table", choices=["random", "sorted"], default="random",
                     help="page order: a random permutation (FlashMLA's test) or pages in order")
@@ -74,7 +77,7 @@ def main():
                         mla_decode.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits,
                                                           causal=s_q > 1)
 
-                    us = time_events(call, iters=args.iters) * 1e3
+                    us = time_events(call, iters=args.iters, batch=args.batch) * 1e3
                     fl = 2 * sum(lens) * s_q * h_q * (576 + 512)
                     by = 2 * sum(lens) * 576 + 2 * args.b * s_q * h_q * (576 + 512) + 4 * args.b * s_q * h_q
                     row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, dtype=args.dtype, table=args.table,

@@ -45,8 +45,16 @@ def rates(us, flops, nbytes, peaks):
     return row
 
 
-def time_events(fn, iters=50, warmup=5):
-    """Median milliseconds of fn() by device events, one event pair per call."""
+def time_events(fn, iters=50, warmup=5, batch=1):
+    """Median milliseconds of fn() by device events.
+
+    batch=1: one event pair around each call, the device idle before it, so
+    the host's launch path (validation, allocation, launches) is inside the
+    time whenever it outlasts the kernels. batch>1: `batch` calls back to back
+    between one event pair (median over `iters` such pairs, divided by
+    batch): the launch queue stays full and the time is the device's per
+    call (kernels and the gaps between them), the way a kernel's time is
+    compared (FlashMLA's numbers in the README are kernel times)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -54,10 +62,11 @@ def time_events(fn, iters=50, warmup=5):
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(batch):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / batch)
     return statistics.median(times)
 
 

@@ -67,9 +67,13 @@ struct PairTile {
   static constexpr int kBlocks = kNB + 1;                // 64-column (128 B) blocks
   static constexpr int kBlockBytes = mla::kBlockBytes;
   static constexpr int kMatBytes = kBlocks * kBlockBytes;  // Q, K0 or K1
-  static constexpr int kIdRing = 3;                      // pairs of block-table ids held in shared memory
-  static constexpr int kSmem = 1024 /*alignment*/ + 3 * kMatBytes + 3 * kM * 4 /*sM, sL*/ + 4 * 8 /*mbarriers*/ +
-                               kIdRing * kTileKeys * 4 /*page ids*/;
+  // pairs of key buffers in flight: the loads of pair j + kStages are issued
+  // during pair j. dv 512 fills shared memory with one (Q + 2 x 72 KB); the
+  // narrower keys take two, which hides a whole pair's time of load latency.
+  static constexpr int kStages = kDv == 512 ? 1 : 2;
+  static constexpr int kIdRing = kStages + 2;            // pairs of block-table ids held in shared memory
+  static constexpr int kSmem = 1024 /*alignment*/ + (1 + 2 * kStages) * kMatBytes + 3 * kM * 4 /*sM, sL*/ +
+                               4 * kStages * 8 /*mbarriers*/ + kIdRing * kTileKeys * 4 /*page ids*/;
   static_assert(kDv == 128 || kDv == 256 || kDv == 512, "the pair kernel takes dv 128, 256 or 512");
   static_assert(kM == kHalf && kRope == 64 && 2 * kHalfNB == kNB && 2 * kORegs == kN && kSteps == 4 * kBlocks,
                 "64-row tiles, one 64-wide rope block, the latent blocks split evenly between the warpgroups");
@@ -78,7 +82,7 @@ struct PairTile {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Named barriers (0 is __syncthreads).
 enum : int { kBarM0 = 1, kBarM1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg0 = 5 /* 6: warpgroup 1 */ };
-// mbarriers: K0 blocks 0-3, K0 blocks 4-8, K1 blocks 0-3 + 8, K1 blocks 4-7
+// mbarriers of a stage: K0 blocks [0, H), K0 [H, NB], K1 [0, H) + NB, K1 [H, NB)
 enum : int { kMbK0a = 0, kMbK0b = 1, kMbK1a = 2, kMbK1b = 3 };
 
 // S k-steps [K0, K1): Q block k/4, 32-byte step k%4, all compile-time.
@@ -208,11 +212,12 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));  // swizzle atoms: 1 KB
   unsigned char* q_s = smem;
-  unsigned char* k_s = q_s + T::kMatBytes;  // K0, then K1
-  float* s_m = reinterpret_cast<float*>(k_s + 2 * T::kMatBytes);  // shared running max [64]
-  float* s_l = s_m + T::kM;                                         // row sums of both warpgroups [2][64]
-  uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);
-  int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
+  constexpr int kStages = T::kStages;
+  unsigned char* k_s = q_s + T::kMatBytes;  // per stage: K0, then K1
+  float* s_m = reinterpret_cast<float*>(k_s + 2 * kStages * T::kMatBytes);  // shared running max [64]
+  float* s_l = s_m + T::kM;                                                   // row sums of both warpgroups [2][64]
+  uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);                // [kStages][4]
+  int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4 * kStages);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
 
   Part pt;
   if (!read_part(p, block_y(), pt)) return;
@@ -229,8 +234,14 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
 
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wg::mbar_init(&mb[i], 128);
+    for (int i = 0; i < 4 * kStages; ++i) wg::mbar_init(&mb[i], 128);
   }
+  // pair jp's stage: its key buffers, mbarriers (completing once per use:
+  // parity (jp / kStages) & 1) and the byte offset of its buffers
+  auto stage = [&](int jp) { return kStages == 1 ? 0 : jp % kStages; };
+  auto kbuf = [&](int jp) { return k_s + stage(jp) * 2 * T::kMatBytes; };
+  auto mbar = [&](int jp, int which) { return &mb[4 * stage(jp) + which]; };
+  auto soff = [&](int jp) { return static_cast<uint64_t>(stage(jp) * 2 * T::kMatBytes) >> 4; };  // descriptor units
 
   // ---- loads. Thread (lr, lc) of a warpgroup copies rows lr + 16 i of a
   // half, 16-byte chunk lc of each column block it is given: per instruction a
@@ -239,10 +250,11 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   const uint32_t lsmem = lr * 128 + ((lc ^ (lr & 7)) << 4);  // + 16 i rows (same swizzle phase)
   // Paged caches: the page ids of a pair's keys sit in a shared-memory ring
   // slot (entry e = key / page_size - first key of the pair / page_size),
-  // read from the block table by warpgroup 0 two pairs ahead, so the load
-  // path of a pair never waits on a global read (block-1 pages: one id per
-  // row). fetch_id/store_id: entry i of pair jp, in two steps so that the
-  // global read's latency passes under other work.
+  // read from the block table by warpgroup 0 one pair before its loads are
+  // issued (kStages + 1 pairs ahead), so the load path of a pair never waits
+  // on a global read (block-1 pages: one id per row). fetch_id/store_id:
+  // entry i of pair jp, in two steps so that the global read's latency
+  // passes under other work.
   const bool paged = p.block_table != nullptr;
   auto fetch_id = [&](int jp, int i) -> int32_t {
     if (!paged || jp >= npairs) return 0;
@@ -263,7 +275,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of pair jp, then
   // arrive on mbarrier `bar` when they have landed
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
-    unsigned char* dst = k_s + h * T::kMatBytes + lsmem;
+    unsigned char* dst = kbuf(jp) + h * T::kMatBytes + lsmem;
     const int key_base = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + lr;
     const bf16_t* srcs[4];
 #pragma unroll
@@ -285,7 +297,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         copy16_async(d + kNB * T::kBlockBytes, in_rope ? src8 : p.kv, in_rope);
       }
     }
-    wg::cp_async_arrive(&mb[bar]);
+    wg::cp_async_arrive(mbar(jp, bar));
   };
 
   // Block-table entries of pair jp into L2 ahead of their use (paged caches),
@@ -305,7 +317,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
     if (key < L) {
       const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
-      unsigned char* blk = k_s + h * T::kMatBytes + kNB * T::kBlockBytes + row * 128;
+      unsigned char* blk = kbuf(jp) + h * T::kMatBytes + kNB * T::kBlockBytes + row * 128;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const uint4 cw = cs[2 * hh + c], sw = cs[4 + 2 * hh + c];
@@ -332,13 +344,14 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     wg::named_sync(kBarWg0 + wg, 128);
   };
 
+  // descriptors of stage 0 (+ soff(jp) for pair jp)
   const uint64_t dq = wg::desc_sw128(q_s, 16, 1024);
   const uint64_t dk = wg::desc_sw128(k_s + wg * T::kMatBytes, 16, 1024);  // this warpgroup's half
   // V halves: this warpgroup's kN columns of K0 / K1, read MN-major
   const uint64_t dv0 = wg::desc_sw128(k_s + kHB * wg * T::kBlockBytes, T::kBlockBytes, 1024);
   const uint64_t dv1 = wg::desc_sw128(k_s + T::kMatBytes + kHB * wg * T::kBlockBytes, T::kBlockBytes, 1024);
   // P of the OTHER warpgroup's half: the rope block of K1 (for WG0) / K0 (for WG1)
-  unsigned char* p_mine = k_s + wg * T::kMatBytes + kNB * T::kBlockBytes;
+  auto p_mine = [&](int jp) { return kbuf(jp) + wg * T::kMatBytes + kNB * T::kBlockBytes; };
   const uint64_t dp_other = wg::desc_sw128(k_s + (1 - wg) * T::kMatBytes + kNB * T::kBlockBytes, 16, 1024);
 
   // a half whose first key is past the length (the second half of a short
@@ -349,27 +362,28 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // the rope block (rotated meanwhile). `between` runs after the first group
   // is issued (warpgroup 0 releases K1 there).
   auto issue_s = [&](float (&s)[32], int jp, auto between) {
-    const uint32_t par = jp & 1;
+    const uint32_t par = (jp / kStages) & 1;
+    const uint64_t dkj = dk + soff(jp);
     if (half_empty(jp, wg)) {  // nothing to multiply: the mask makes S -inf; keep the barrier phases
-      wg::mbar_wait(&mb[wg == 0 ? kMbK0a : kMbK1a], par);
+      wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0a : kMbK1a), par);
       between();
-      wg::mbar_wait(&mb[wg == 0 ? kMbK0b : kMbK1b], par);
+      wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0b : kMbK1b), par);
       return;
     }
-    wg::mbar_wait(&mb[wg == 0 ? kMbK0a : kMbK1a], par);
+    wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0a : kMbK1a), par);
     wg::fence_proxy_async();
     wg::fence();
-    s_steps<0, 4 * kHB, kF16>(s, dq, dk);
+    s_steps<0, 4 * kHB, kF16>(s, dq, dkj);
     wg::commit();
     between();
-    wg::mbar_wait(&mb[wg == 0 ? kMbK0b : kMbK1b], par);
+    wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0b : kMbK1b), par);
     wg::fence_proxy_async();
     wg::fence();  // after the (per-thread) wait loop: else ptxas inserts one and serializes
-    s_steps<4 * kHB, 4 * kNB, kF16>(s, dq, dk);
+    s_steps<4 * kHB, 4 * kNB, kF16>(s, dq, dkj);
     wg::commit();
     if (rope) rotate_half(jp, wg);
     wg::fence();
-    s_steps<4 * kNB, T::kSteps, kF16>(s, dq, dk);
+    s_steps<4 * kNB, T::kSteps, kF16>(s, dq, dkj);
     wg::commit();
   };
 
@@ -389,17 +403,17 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
     copy_commit();
   }
-  // page ids of pairs 0 (warpgroup 0) and 1 (warpgroup 1)
-  store_id(wg, t, fetch_id(wg, t));
-  prefetch_pages(2);
-  sync_threads();  // mbarriers initialised, page ids of pairs 0 and 1 stored
-  if (npairs > 0) {
+  // page ids of pairs 0..kStages (even pairs: warpgroup 0, odd: warpgroup 1)
+  for (int j = wg; j <= kStages; j += 2) store_id(j, t, fetch_id(j, t));
+  prefetch_pages(kStages + 1);
+  sync_threads();  // mbarriers initialised, page ids of pairs 0..kStages stored
+  for (int j = 0; j < kStages && j < npairs; ++j) {
     if (wg == 0) {
-      load_half(0, 0, 0, kHB, false, kMbK0a);
-      load_half(0, 1, 0, kHB, true, kMbK1a);
+      load_half(j, 0, 0, kHB, false, kMbK0a);
+      load_half(j, 1, 0, kHB, true, kMbK1a);
     } else {
-      load_half(0, 0, kHB, kNB, true, kMbK0b);
-      load_half(0, 1, kHB, kNB, false, kMbK1b);
+      load_half(j, 0, kHB, kNB, true, kMbK0b);
+      load_half(j, 1, kHB, kNB, false, kMbK1b);
     }
   }
   copy_wait<0>();  // Q (the committed group)
@@ -425,14 +439,17 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   }
   if (wg == 0) {
     for (int jp = 0; jp < npairs; ++jp) {
-      const bool more = jp + 1 < npairs;
-      // pair jp + 1's loads are issued during this pair; pair jp + 2's page
-      // ids are read now and stored before the kBarM1 barrier below, which
-      // orders them before every reader (warpgroup 0 after it, warpgroup 1
-      // after kBarM0 of the next pair); slot (jp + 2) % 3 was last read for
-      // pair jp - 1, before warpgroup 1 arrived at kBarM1 of pair jp - 1.
-      const int32_t next_id = fetch_id(jp + 2, t);
-      prefetch_pages(jp + 3);
+      const bool more = jp + 1 < npairs;              // a next pair: its S is issued at the end of this one
+      const bool refill = jp + kStages < npairs;      // pair jp + kStages loads into this pair's buffers
+      const uint64_t so = soff(jp);
+      // pair jp + kStages's loads are issued during this pair; the page ids
+      // of pair jp + kStages + 1 are read now and stored before the kBarM1
+      // barrier below, which orders them before every reader (warpgroup 0
+      // after it, warpgroup 1 after kBarM0 of the next pair); their slot was
+      // last read for the loads of pair jp - 1, issued before warpgroup 1
+      // arrived at kBarM1 of pair jp - 1 (in the prologue for jp - 1 < kStages).
+      const int32_t next_id = fetch_id(jp + kStages + 1, t);
+      prefetch_pages(jp + kStages + 2);
       // softmax of S0 against the running max
       float mx0, mx1;
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
@@ -445,11 +462,11 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::named_arrive(kBarM0, 256);
       // O_L += P0 V0L
       wg::fence();
-      pv_regs<T::kN, kF16>(o, pa, dv0);
+      pv_regs<T::kN, kF16>(o, pa, dv0 + so);
       wg::commit();
       wg::wait<0>();
-      if (more) load_half(jp + 1, 0, 0, kHB, false, kMbK0a);  // K0 blocks [0, kHB): read by nothing else now
-      store_id(jp + 2, t, next_id);
+      if (refill) load_half(jp + kStages, 0, 0, kHB, false, kMbK0a);  // K0 blocks [0, kHB): read by nothing else now
+      store_id(jp + kStages + 1, t, next_id);
       // warpgroup 1's max -> P0 rescaled for it
       wg::named_sync(kBarM1, 256);
       const float f0 = s_m[r0], f1 = s_m[r1];
@@ -459,7 +476,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         const float d = (i & 2) ? d1 : d0;
         pa[i / 2] = E::pack2(s[i] * d, s[i + 1] * d);
       }
-      store_p(p_mine, pa, r0, r1, t4);
+      store_p(p_mine(jp), pa, r0, r1, t4);
       wg::fence_proxy_async();
       wg::named_arrive(kBarP0, 256);
       l_a *= d0;
@@ -471,20 +488,21 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       scale_rows(o, d0, d1);
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_smem<T::kN, kF16>(o, dp_other, dv1);
+        pv_smem<T::kN, kF16>(o, dp_other + so, dv1 + so);
         wg::commit();
       }
       if (more) {
         issue_s(s, jp + 1, [&] {
           wg::wait<1>();  // P1 V1L done: K1 blocks [0, kHB) and the rope block are free
-          load_half(jp + 1, 1, 0, kHB, true, kMbK1a);
+          if (refill) load_half(jp + kStages, 1, 0, kHB, true, kMbK1a);
         });
       }
       wg::wait<0>();
     }
   } else {
     for (int jp = 0; jp < npairs; ++jp) {
-      const bool more = jp + 1 < npairs;
+      const bool more = jp + 1 < npairs, refill = jp + kStages < npairs;
+      const uint64_t so = soff(jp);
       float mx0, mx1;
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
@@ -495,24 +513,24 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       }
       wg::named_arrive(kBarM1, 256);
       softmax_step<kF16>(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
-      store_p(p_mine, pa, r0, r1, t4);
+      store_p(p_mine(jp), pa, r0, r1, t4);
       wg::fence_proxy_async();
       wg::named_arrive(kBarP1, 256);
       // O_R += P1 V1R, then += P0' V0R once warpgroup 0 has stored P0'
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_regs<T::kN, kF16>(o, pa, dv1);
+        pv_regs<T::kN, kF16>(o, pa, dv1 + so);
         wg::commit();
       }
       wg::named_sync(kBarP0, 256);
       wg::fence();
-      pv_smem<T::kN, kF16>(o, dp_other, dv0);
+      pv_smem<T::kN, kF16>(o, dp_other + so, dv0 + so);
       wg::commit();
       wg::wait<1>();  // P1 V1R done: K1 blocks [kHB, kNB) are free
-      if (more) load_half(jp + 1, 1, kHB, kNB, false, kMbK1b);
+      if (refill) load_half(jp + kStages, 1, kHB, kNB, false, kMbK1b);
       wg::wait<0>();  // P0 V0R done: K0 blocks [kHB, kNB] (the rope block held P0) are free
+      if (refill) load_half(jp + kStages, 0, kHB, kNB, true, kMbK0b);
       if (more) {
-        load_half(jp + 1, 0, kHB, kNB, true, kMbK0b);
         issue_s(s, jp + 1, [] {});
         wg::wait<0>();
       }
