@@ -209,8 +209,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   constexpr int kNB = T::kNB, kHB = T::kHalfNB;
   using E = Half16<kF16>;
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));  // swizzle atoms: 1 KB
+  // 1 KB aligned (swizzle atoms), by an offset from the shared array so that
+  // the compiler keeps the address space (shared loads/stores, not generic)
+  unsigned char* smem =
+      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
   unsigned char* q_s = smem;
   constexpr int kStages = T::kStages;
   unsigned char* k_s = q_s + T::kMatBytes;  // per stage: K0, then K1
