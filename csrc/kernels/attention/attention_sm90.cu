@@ -35,6 +35,8 @@
 // width's (the S product still spans 64 columns there). On-the-fly RoPE takes
 // rope 64 only. dv 64 (one latent block, no even split) and per-head rope
 // keys run on the portable kernel.
+#include <type_traits>
+
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
 #include "../../platform/vendor.h"
@@ -85,15 +87,17 @@ enum : int { kBarM0 = 1, kBarM1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg0 = 5 /* 6: w
 // mbarriers of a stage: K0 blocks [0, H), K0 [H, NB], K1 [0, H) + NB, K1 [H, NB)
 enum : int { kMbK0a = 0, kMbK0b = 1, kMbK1a = 2, kMbK1b = 3 };
 
-// S k-steps [K0, K1): Q block k/4, 32-byte step k%4, all compile-time.
-template <int K0, int K1, bool kF16>
+// S k-steps [K0, K1): Q block k/4, 32-byte step k%4, all compile-time; step
+// kZeroAt overwrites the accumulator (-1: none does).
+template <int K0, int K1, bool kF16, int kZeroAt = 0>
 MLA_DEVICE void s_steps(float (&s)[32], uint64_t dq, uint64_t dk) {
 #pragma unroll
   for (int k = K0; k < K1; ++k) {
     const uint32_t off = (k >> 2) * kBlockBytes + (k & 3) * 32;
-    wg::wgmma_ss_kk<64, kF16>(s, dq + (off >> 4), dk + (off >> 4), k > 0 ? 1 : 0);
+    wg::wgmma_ss_kk<64, kF16>(s, dq + (off >> 4), dk + (off >> 4), k != kZeroAt ? 1 : 0);
   }
 }
+
 
 // O += P V over 64 keys: P from registers (the S accumulator layout is the A layout).
 template <int N, bool kF16>
@@ -360,10 +364,13 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // last tile): no S, no P V for it (same answer for every thread of the block)
   auto half_empty = [&](int jp, int h) { return (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf >= L; };
 
-  // S of this warpgroup's half of pair jp: blocks [0, kHB), [kHB, kNB) as they land, then
-  // the rope block (rotated meanwhile). `between` runs after the first group
-  // is issued (warpgroup 0 releases K1 there).
-  auto issue_s = [&](float (&s)[32], int jp, auto between) {
+  // S of this warpgroup's half of pair jp: its two groups of latent blocks as
+  // they land, then the rope block (rotated meanwhile). `between` runs after
+  // the first group is issued (warpgroup 0 releases K1 there).
+  // kW1: the calling warpgroup is warpgroup 1 (a compile-time constant, so
+  // that no branch on the warpgroup sits between the wgmmas).
+  auto issue_s = [&](auto kW1, float (&s)[32], int jp, auto between) {
+    constexpr bool w1 = decltype(kW1)::value;
     const uint32_t par = (jp / kStages) & 1;
     const uint64_t dkj = dk + soff(jp);
     if (half_empty(jp, wg)) {  // nothing to multiply: the mask makes S -inf; keep the barrier phases
@@ -372,20 +379,30 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0b : kMbK1b), par);
       return;
     }
-    wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0a : kMbK1a), par);
+    // First the blocks the loading warpgroup released after its FIRST P V of
+    // the previous pair (loaded early), then the rest: warpgroup 0 reads K0
+    // blocks [0, kHB) first, warpgroup 1 K1 blocks [kHB, kNB) first (measured:
+    // 1% over taking K1 in block order, the late-loaded part first).
+    wg::mbar_wait(mbar(jp, w1 ? kMbK1b : kMbK0a), par);
     wg::fence_proxy_async();
     wg::fence();
-    s_steps<0, 4 * kHB, kF16>(s, dq, dkj);
+    if constexpr (w1)
+      s_steps<4 * kHB, 4 * kNB, kF16, 4 * kHB>(s, dq, dkj);
+    else
+      s_steps<0, 4 * kHB, kF16, 0>(s, dq, dkj);
     wg::commit();
     between();
-    wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0b : kMbK1b), par);
+    wg::mbar_wait(mbar(jp, w1 ? kMbK1a : kMbK0b), par);
     wg::fence_proxy_async();
     wg::fence();  // after the (per-thread) wait loop: else ptxas inserts one and serializes
-    s_steps<4 * kHB, 4 * kNB, kF16>(s, dq, dkj);
+    if constexpr (w1)
+      s_steps<0, 4 * kHB, kF16, -1>(s, dq, dkj);
+    else
+      s_steps<4 * kHB, 4 * kNB, kF16, -1>(s, dq, dkj);
     wg::commit();
     if (rope) rotate_half(jp, wg);
     wg::fence();
-    s_steps<4 * kNB, T::kSteps, kF16>(s, dq, dkj);
+    s_steps<4 * kNB, T::kSteps, kF16, -1>(s, dq, dkj);
     wg::commit();
   };
 
@@ -435,11 +452,13 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   float s[32];
   uint32_t pa[16];
 
-  if (npairs > 0) {
-    issue_s(s, 0, [] {});
-    wg::wait<0>();
-  }
+  using W0 = std::integral_constant<bool, false>;
+  using W1 = std::integral_constant<bool, true>;
   if (wg == 0) {
+    if (npairs > 0) {
+      issue_s(W0{}, s, 0, [] {});
+      wg::wait<0>();
+    }
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;              // a next pair: its S is issued at the end of this one
       const bool refill = jp + kStages < npairs;      // pair jp + kStages loads into this pair's buffers
@@ -494,7 +513,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         wg::commit();
       }
       if (more) {
-        issue_s(s, jp + 1, [&] {
+        issue_s(W0{}, s, jp + 1, [&] {
           wg::wait<1>();  // P1 V1L done: K1 blocks [0, kHB) and the rope block are free
           if (refill) load_half(jp + kStages, 1, 0, kHB, true, kMbK1a);
         });
@@ -502,6 +521,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::wait<0>();
     }
   } else {
+    if (npairs > 0) {
+      issue_s(W1{}, s, 0, [] {});
+      wg::wait<0>();
+    }
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs, refill = jp + kStages < npairs;
       const uint64_t so = soff(jp);
@@ -533,7 +556,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::wait<0>();  // P0 V0R done: K0 blocks [kHB, kNB] (the rope block held P0) are free
       if (refill) load_half(jp + kStages, 0, kHB, kNB, true, kMbK0b);
       if (more) {
-        issue_s(s, jp + 1, [] {});
+        issue_s(W1{}, s, jp + 1, [] {});
         wg::wait<0>();
       }
     }
