@@ -329,6 +329,8 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.rope_cs = rope_cs.has_value() ? reinterpret_cast<const bf16_t*>(rope_cs->data_ptr()) : nullptr;
   ap.kpe = kpe.has_value() ? reinterpret_cast<const bf16_t*>(kpe->data_ptr()) : nullptr;
   ap.kpe_row_stride = kpe.has_value() ? kpe->stride(1) : 0;
+  ap.kpe_rows = kpe.has_value() ? kpe->size(1) : 0;
+  ap.num_pages = block_table.has_value() ? kv.size(0) : bs;
   ap.kpe_batch_stride = kpe.has_value() ? kpe->stride(0) : 0;
   ap.o = reinterpret_cast<bf16_t*>(out.data_ptr());
   ap.lse = lse.data_ptr<float>();

@@ -49,6 +49,31 @@ MLA_DEVICE void cp_async_arrive(uint64_t* bar) {
                    static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
                : "memory");
 }
+// Plain arrival (one of the `count` of a phase); with expect_tx, the phase
+// also waits for `bytes` of TMA transfers to land.
+MLA_DEVICE void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+MLA_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+               "r"(bytes)
+               : "memory");
+}
+
+// TMA: the box at coordinates (c0, c1, c2) of the 3-D tensor map `map` (a
+// __grid_constant__ kernel parameter) into shared memory at dst, completing
+// `bytes` of transaction on `bar`.
+MLA_DEVICE void tma_load_3d(void* dst, const void* map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2),
+      "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+      : "memory");
+}
+
 // Wait until the phase with the given parity (0, 1, 0, ...) has completed.
 MLA_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));

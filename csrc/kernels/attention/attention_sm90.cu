@@ -35,6 +35,8 @@
 // width's (the S product still spans 64 columns there). On-the-fly RoPE takes
 // rope 64 only. dv 64 (one latent block, no even split) and per-head rope
 // keys run on the portable kernel.
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "../../platform/bf16.h"
@@ -47,7 +49,20 @@
 namespace mla {
 
 #if MLA_NVIDIA
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 namespace {
+
+// TMA descriptors of the key rows (a __grid_constant__ kernel argument):
+// kv as [pages or sequences][rows][d] and the separate rope rows kpe as
+// [sequences][rows][64], boxes of 64 columns x 64 rows, 128-byte swizzle (the
+// layout the cp.async path writes). use = 0: every load is a cp.async.
+struct TmaMaps {
+  CUtensorMap kv;
+  CUtensorMap kpe;
+  int use;
+};
 
 constexpr int kBlockBytes = 64 * 128;  // one 64-column (128 B) block of 64 rows, every width
 
@@ -207,7 +222,7 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
 // kDv: value width (128, 256, 512).
 template <bool kF16, int kDv>
 __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
-    attention_sm90_kernel(const AttnParams p) {
+    attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = PairTile<kDv>;
   constexpr int kNB = T::kNB, kHB = T::kHalfNB;
@@ -280,9 +295,37 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   const int rope_chunks = p.rope / 8;  // 16-byte chunks of the rope block read from memory
   // column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of pair jp, then
   // arrive on mbarrier `bar` when they have landed
+  // A half whose 64 keys are all below the length goes by TMA where the host
+  // made descriptors (one thread issues one 8 KB box per column block, every
+  // thread of the warpgroup arrives); a partial or empty half by cp.async,
+  // which zero-fills the rows past the length.
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
+    const int key0 = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf;
+    if (maps.use && key0 + T::kHalf <= L) {
+      uint64_t* mbp = mbar(jp, bar);
+      if (t == 0) {
+        wg::mbar_arrive_expect_tx(mbp, ((bhi - blo) + (with8 ? 1 : 0)) * T::kBlockBytes);
+        int row = key0, page = b;
+        if (paged) {
+          const int e = key0 / p.page_size - ((pt.tile_begin + jp) * T::kTileKeys) / p.page_size;
+          page = ids_s[(jp % T::kIdRing) * T::kTileKeys + e];
+          row = key0 % p.page_size;
+        }
+        unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
+        for (int bk = blo; bk < bhi; ++bk) wg::tma_load_3d(dst + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp);
+        if (with8) {
+          if (p.kpe != nullptr)
+            wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp);
+          else
+            wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kv, 64 * kNB, row, page, mbp);
+        }
+      } else {
+        wg::mbar_arrive(mbp);
+      }
+      return;
+    }
     unsigned char* dst = kbuf(jp) + h * T::kMatBytes + lsmem;
-    const int key_base = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + lr;
+    const int key_base = key0 + lr;
     const bf16_t* srcs[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -630,14 +673,63 @@ const char* kernel_info(AttnKernelInfo* info) {
   return nullptr;
 }
 
+// cuTensorMapEncodeTiled from the driver (through the runtime: no -lcuda),
+// looked up once; nullptr if the driver does not have it.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    (void)cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A [d2][d1][d0] tensor of 16-bit elements (strides in elements), boxes of
+// 64 x 64 x 1, 128-byte swizzle. False if TMA cannot describe it.
+bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1, int64_t s2) {
+  const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
+  if (enc == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (s1 * 2) % 16 != 0 || (s2 * 2) % 16 != 0 ||
+      d0 < 64 || d1 < 64 || d2 < 1)
+    return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d0), static_cast<cuuint64_t>(d1), static_cast<cuuint64_t>(d2)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(s1 * 2), static_cast<cuuint64_t>(s2 * 2)};
+  const cuuint32_t box[3] = {64, 64, 1}, elem[3] = {1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// TMA key loads where they apply: rope width 64 (the rope block is a whole
+// box), pages (if any) a multiple of 64 rows, 16-byte aligned rows and pages.
+// MLA_DECODE_TMA=0 turns them off (cp.async for every load; measurements).
+TmaMaps make_maps(const AttnParams& p) {
+  TmaMaps m{};
+  static const bool off = [] {
+    const char* e = std::getenv("MLA_DECODE_TMA");
+    return e != nullptr && std::string(e) == "0";
+  }();
+  if (off || p.rope != 64 || (p.block_table != nullptr && p.page_size % 64 != 0)) return m;
+  const int64_t d = p.dv + p.rope;
+  const int64_t rows = p.block_table != nullptr ? p.page_size : p.max_len;
+  bool ok = encode_rows(&m.kv, p.kv, d, rows, p.num_pages, p.kv_row_stride, p.kv_page_stride);
+  if (ok && p.kpe != nullptr) ok = encode_rows(&m.kpe, p.kpe, 64, p.kpe_rows, p.bs, p.kpe_row_stride, p.kpe_batch_stride);
+  m.use = ok ? 1 : 0;
+  return m;
+}
+
 template <int kDv>
 const char* launch(const AttnParams& p, stream_t stream) {
   using T = PairTile<kDv>;
   dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
+  const TmaMaps maps = make_maps(p);
   if (p.f16)
-    attention_sm90_kernel<true, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+    attention_sm90_kernel<true, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p, maps);
   else
-    attention_sm90_kernel<false, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+    attention_sm90_kernel<false, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p, maps);
   return last_launch_error();
 }
 

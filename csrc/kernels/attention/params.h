@@ -36,6 +36,8 @@ struct AttnParams {
   int64_t block_table_stride; // entries per sequence in block_table
   int64_t kpe_row_stride;     // elements between kpe rows
   int64_t kpe_batch_stride;   // elements between kpe sequences
+  int64_t num_pages;          // pages in kv (bs when not paged)
+  int64_t kpe_rows;           // rows per sequence in kpe (when kpe is set)
   int page_size;              // rows per page (max_seq_len when not paged)
   int max_len;                // cache capacity per sequence: lengths are clamped to [0, max_len]
 
