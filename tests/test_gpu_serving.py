@@ -38,6 +38,7 @@ def run_case(lens, block_size, h_q, s_q, causal, seed, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("block_size,h_q,s_q", [
     (64, 128, 1), (64, 128, 2), (16, 128, 1), (1, 128, 1), (32, 64, 2), (128, 16, 1), (64, 32, 4), (16, 24, 3),
+    (8, 128, 1), (256, 64, 1),
 ])
 def test_serving_varlen(block_size, h_q, s_q):
     lens = varlen(16, 4096, s_q, seed=block_size * 7 + h_q + s_q)

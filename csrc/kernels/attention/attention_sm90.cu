@@ -55,13 +55,16 @@ namespace mla {
 namespace {
 
 // TMA descriptors of the key rows (a __grid_constant__ kernel argument):
-// kv as [pages or sequences][rows][d] and the separate rope rows kpe as
-// [sequences][rows][64], boxes of 64 columns x 64 rows, 128-byte swizzle (the
-// layout the cp.async path writes). use = 0: every load is a cp.async.
+// kv as [pages or sequences][rows][d] with boxes of 64 columns x `rows` rows
+// (64, or the page size when pages are 8, 16 or 32 rows: then a 64-key half
+// is 64 / rows boxes per column block), and the separate rope rows kpe as
+// [sequences][rows][64] with 64 x 64 boxes; 128-byte swizzle (the layout the
+// cp.async path writes). use = 0: every load is a cp.async.
 struct TmaMaps {
   CUtensorMap kv;
   CUtensorMap kpe;
   int use;
+  int rows;  // rows per kv box
 };
 
 constexpr int kBlockBytes = 64 * 128;  // one 64-column (128 B) block of 64 rows, every width
@@ -296,28 +299,32 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of pair jp, then
   // arrive on mbarrier `bar` when they have landed
   // A half whose 64 keys are all below the length goes by TMA where the host
-  // made descriptors (one thread issues one 8 KB box per column block, every
-  // thread of the warpgroup arrives); a partial or empty half by cp.async,
+  // made descriptors: thread 0 arms the barrier and issues one box per column
+  // block (8 KB; 64 / rows boxes of `rows` keys each for pages of 8-32 rows),
+  // the other 127 threads arrive. A partial or empty half goes by cp.async,
   // which zero-fills the rows past the length.
+  // (Measured on an H200: spreading the boxes of small pages over threads
+  // 0..64/rows-1, with the rope block of rope < 64 by cp.async next to TMA,
+  // cut block 16 from 510 to 447 us but made the 64-row path 8% slower, e.g.
+  // L 6145 470 -> 509 us; not kept.)
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf;
     if (maps.use && key0 + T::kHalf <= L) {
       uint64_t* mbp = mbar(jp, bar);
       if (t == 0) {
         wg::mbar_arrive_expect_tx(mbp, ((bhi - blo) + (with8 ? 1 : 0)) * T::kBlockBytes);
-        int row = key0, page = b;
-        if (paged) {
-          const int e = key0 / p.page_size - ((pt.tile_begin + jp) * T::kTileKeys) / p.page_size;
-          page = ids_s[(jp % T::kIdRing) * T::kTileKeys + e];
-          row = key0 % p.page_size;
-        }
         unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
-        for (int bk = blo; bk < bhi; ++bk) wg::tma_load_3d(dst + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp);
-        if (with8) {
-          if (p.kpe != nullptr)
-            wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp);
-          else
-            wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kv, 64 * kNB, row, page, mbp);
+        if (with8 && p.kpe != nullptr) wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp);
+        for (int k = key0; k < key0 + T::kHalf; k += maps.rows) {  // one box of `rows` keys per column block
+          int row = k, page = b;
+          if (paged) {
+            const int e = k / p.page_size - ((pt.tile_begin + jp) * T::kTileKeys) / p.page_size;
+            page = ids_s[(jp % T::kIdRing) * T::kTileKeys + e];
+            row = k % p.page_size;
+          }
+          unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
+          for (int bk = blo; bk < bhi; ++bk) wg::tma_load_3d(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp);
+          if (with8 && p.kpe == nullptr) wg::tma_load_3d(d + kNB * T::kBlockBytes, &maps.kv, 64 * kNB, row, page, mbp);
         }
       } else {
         wg::mbar_arrive(mbp);
@@ -690,21 +697,23 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // A [d2][d1][d0] tensor of 16-bit elements (strides in elements), boxes of
 // 64 x 64 x 1, 128-byte swizzle. False if TMA cannot describe it.
-bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1, int64_t s2) {
+bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1, int64_t s2,
+                 int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
   if (enc == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (s1 * 2) % 16 != 0 || (s2 * 2) % 16 != 0 ||
-      d0 < 64 || d1 < 64 || d2 < 1)
+      d0 < 64 || d1 < box_rows || d2 < 1)
     return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d0), static_cast<cuuint64_t>(d1), static_cast<cuuint64_t>(d2)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(s1 * 2), static_cast<cuuint64_t>(s2 * 2)};
-  const cuuint32_t box[3] = {64, 64, 1}, elem[3] = {1, 1, 1};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1}, elem[3] = {1, 1, 1};
   return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // TMA key loads where they apply: rope width 64 (the rope block is a whole
-// box), pages (if any) a multiple of 64 rows, 16-byte aligned rows and pages.
+// box), pages (if any) of 8, 16, 32 or a multiple of 64 rows (a box must
+// start on an 8-row swizzle phase), 16-byte aligned rows and pages.
 // MLA_DECODE_TMA=0 turns them off (cp.async for every load; measurements).
 TmaMaps make_maps(const AttnParams& p) {
   TmaMaps m{};
@@ -712,11 +721,14 @@ TmaMaps make_maps(const AttnParams& p) {
     const char* e = std::getenv("MLA_DECODE_TMA");
     return e != nullptr && std::string(e) == "0";
   }();
-  if (off || p.rope != 64 || (p.block_table != nullptr && p.page_size % 64 != 0)) return m;
+  const bool paged = p.block_table != nullptr;
+  const int ps = p.page_size;
+  if (off || p.rope != 64 || (paged && !(ps % 64 == 0 || ps == 8 || ps == 16 || ps == 32))) return m;
   const int64_t d = p.dv + p.rope;
-  const int64_t rows = p.block_table != nullptr ? p.page_size : p.max_len;
-  bool ok = encode_rows(&m.kv, p.kv, d, rows, p.num_pages, p.kv_row_stride, p.kv_page_stride);
-  if (ok && p.kpe != nullptr) ok = encode_rows(&m.kpe, p.kpe, 64, p.kpe_rows, p.bs, p.kpe_row_stride, p.kpe_batch_stride);
+  m.rows = paged && ps < 64 ? ps : 64;
+  bool ok = encode_rows(&m.kv, p.kv, d, paged ? ps : p.max_len, p.num_pages, p.kv_row_stride, p.kv_page_stride, m.rows);
+  if (ok && p.kpe != nullptr)
+    ok = encode_rows(&m.kpe, p.kpe, 64, p.kpe_rows, p.bs, p.kpe_row_stride, p.kpe_batch_stride, 64);
   m.use = ok ? 1 : 0;
   return m;
 }
