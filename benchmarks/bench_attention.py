@@ -9,7 +9,6 @@ Reports us, TFLOP/s, GB/s and % of the attention floor (max(bytes/BW,
 FLOPs/peak) with mla_decode.roofline's peaks for the device)."""
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -19,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
-from common import gpu_setup, rates, time_events  # noqa: E402
+from common import add_timing_args, dump_json, gpu_setup, rates, time_events  # noqa: E402
 
 FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # FlashMLA's kernel, measured on an H200 by this project (README, Contract)
 
@@ -29,9 +28,7 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[513, 2049, 4097, 6145])
     ap.add_argument("--bs", type=int, default=128)
     ap.add_argument("--heads", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--batch", type=int, default=10, help="calls per event pair (1: host overhead counted)")
-    ap.add_argument("--json")
+    add_timing_args(ap, iters=50)
     args = ap.parse_args()
     setup = gpu_setup("bench_attention")
     if setup is None:
@@ -79,9 +76,7 @@ def main():
               f"{r.get('vs_flashmla', float('nan')):>9.2f}")
     print("(xFlashMLA: FlashMLA's H200 time (README, Contract) over ours; >= 0.80 is the target, rope=no is its setting;"
           " rope=kpe is the decode step's path)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=name, backend=mla_decode.backend(), rows=rows), f, indent=1)
+    dump_json(args.json, name, rows=rows)
     return 0
 
 

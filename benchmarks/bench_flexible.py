@@ -13,7 +13,6 @@ and 512 with shared rope keys; dv 64 and per-head rope keys run the portable
 kernel)."""
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
-from common import gpu_setup, rates, time_events  # noqa: E402
+from common import add_timing_args, dump_json, gpu_setup, rates, time_events  # noqa: E402
 
 # (label, h_q, dv, rope, per-head rope keys)
 SHAPES = [
@@ -45,9 +44,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bs", type=int, default=128)
     ap.add_argument("--L", type=int, default=4096)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=10, help="calls per event pair (1: host overhead counted)")
-    ap.add_argument("--json")
+    add_timing_args(ap, iters=30)
     args = ap.parse_args()
     setup = gpu_setup("bench_flexible")
     if setup is None:
@@ -79,9 +76,7 @@ def main():
               f"{kind:<8}: {us:8.1f} us {row['tflops']:6.1f} TFLOP/s {row['gbs']:6.0f} GB/s "
               f"{row.get('pct_floor', float('nan')):5.1f} % of floor", flush=True)
         del kv, kh, q
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=name, backend=mla_decode.backend(), bs=bs, L=L, rows=rows), f, indent=1)
+    dump_json(args.json, name, bs=bs, L=L, rows=rows)
     return 0
 
 

@@ -11,7 +11,6 @@ metadata computed once, outside).
 us, TFLOP/s, GB/s and % of the attention floor max(bytes/BW, FLOPs/peak)."""
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
-from common import gpu_setup, rates, time_events  # noqa: E402
+from common import add_timing_args, dump_json, gpu_setup, rates, time_events  # noqa: E402
 
 
 def paged_cache(lens, block_size, gen, dtype, order="random"):
@@ -42,12 +41,10 @@ def main():
     ap.add_argument("--means", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--b", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=10, help="calls per event pair (1: host overhead counted)")
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--table", choices=["random", "sorted"], default="random",
                     help="page order: a random permutation (FlashMLA's test) or pages in order")
-    ap.add_argument("--json")
+    add_timing_args(ap, iters=30)
     args = ap.parse_args()
     setup = gpu_setup("bench_serving")
     if setup is None:
@@ -87,9 +84,7 @@ def main():
                           f"{row['tflops']:6.1f} TFLOP/s {row['gbs']:6.0f} GB/s "
                           f"{row.get('pct_floor', float('nan')):5.1f} % of floor", flush=True)
                 del k_cache, table
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=name, backend=mla_decode.backend(), rows=rows), f, indent=1)
+    dump_json(args.json, name, rows=rows)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Shared timing helpers for the benchmarks (device events, harness method)."""
 
+import json
 import statistics
 import time
 
@@ -43,6 +44,22 @@ def rates(us, flops, nbytes, peaks):
         row["floor_us"] = floor
         row["pct_floor"] = 100 * floor / us
     return row
+
+
+def add_timing_args(ap, iters):
+    """--iters, --batch and --json: the options every attention-side benchmark takes."""
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--batch", type=int, default=10, help="calls per event pair (1: host overhead counted)")
+    ap.add_argument("--json")
+
+
+def dump_json(path, device, **fields):
+    """Write {device, backend, **fields} to path (nothing without a path)."""
+    if path:
+        import mla_decode
+
+        with open(path, "w") as f:
+            json.dump(dict(device=device, backend=mla_decode.backend(), **fields), f, indent=1)
 
 
 def time_events(fn, iters=50, warmup=5, batch=1):
