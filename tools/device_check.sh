@@ -11,6 +11,8 @@ bash run.sh test -x ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -25
 echo "build+tests: $(( $(date +%s) - t0 )) s"
 echo "== attention tests again on the portable kernel"
 PYTHONSAFEPATH=1 MLA_DECODE_ATTN_KERNEL=portable python3 -m pytest -q -x tests/test_gpu_attention.py 2>&1 | tail -2
+echo "== attention/serving/flexible tests again with the Hopper kernel's TMA loads off (cp.async only)"
+PYTHONSAFEPATH=1 MLA_DECODE_TMA=0 python3 -m pytest -q -x tests/test_gpu_attention.py tests/test_gpu_serving.py tests/test_gpu_flexible.py 2>&1 | tail -2
 so=$(PYTHONSAFEPATH=1 python3 -c "import mla_decode._C as c; print(c.__file__)")
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>/dev/null
 echo "SASS: HMMA $(grep -c HMMA "$OUT/sass.txt") HGMMA $(grep -c HGMMA "$OUT/sass.txt") LDL/STL $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
