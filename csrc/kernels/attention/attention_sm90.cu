@@ -21,9 +21,10 @@
 // Shared memory: Q, K0, K1 (64 rows x (NB + 1) 128B-swizzled 64-column
 // blocks) and a few hundred bytes. P0 and P1 live in column block NB (the
 // rope block) of their own key buffer, which nothing reads between its S and
-// its reload. Loads are cp.async, each group completing an mbarrier; the
-// loads of a buffer's column blocks are issued by the warpgroup whose matrix
-// product was the last to read them (H = NB / 2; at dv 512: H = 4, NB = 8):
+// its reload. Loads are TMA boxes for full 64-key halves (cp.async for the
+// rest, see load_half), each group completing an mbarrier; the loads of a
+// buffer's column blocks are issued by the warpgroup whose matrix product was
+// the last to read them (H = NB / 2; at dv 512: H = 4, NB = 8):
 //   K0 blocks [0, H)      WG0 (after P0 V0L)   K0 blocks [H, NB]  WG1 (after P0 V0R; block NB held P0)
 //   K1 blocks [0, H) + NB WG0 (after P1 V1L)   K1 blocks [H, NB)  WG1 (after P1 V1R)
 // Key RoPE (task semantics) rotates block NB of a half in place, after its
@@ -115,7 +116,6 @@ MLA_DEVICE void s_steps(float (&s)[32], uint64_t dq, uint64_t dk) {
     wg::wgmma_ss_kk<64, kF16>(s, dq + (off >> 4), dk + (off >> 4), k != kZeroAt ? 1 : 0);
   }
 }
-
 
 // O += P V over 64 keys: P from registers (the S accumulator layout is the A layout).
 template <int N, bool kF16>
@@ -296,9 +296,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
            static_cast<int64_t>(key % p.page_size) * p.kv_row_stride;
   };
   const int rope_chunks = p.rope / 8;  // 16-byte chunks of the rope block read from memory
-  // column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of pair jp, then
-  // arrive on mbarrier `bar` when they have landed
-  // A half whose 64 keys are all below the length goes by TMA where the host
+  // Column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of
+  // pair jp, completing mbarrier `bar` when they have landed. A half whose 64 keys are all below the length goes by TMA where the host
   // made descriptors: thread 0 arms the barrier and issues one box per column
   // block (8 KB; 64 / rows boxes of `rows` keys each for pages of 8-32 rows),
   // the other 127 threads arrive. A partial or empty half goes by cp.async,
