@@ -695,7 +695,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // A [d2][d1][d0] tensor of 16-bit elements (strides in elements), boxes of
-// 64 x 64 x 1, 128-byte swizzle. False if TMA cannot describe it.
+// 64 x box_rows x 1, 128-byte swizzle. False if TMA cannot describe it.
 bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1, int64_t s2,
                  int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
