@@ -224,6 +224,9 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   check_contiguous(seqlens, "seqlens");
   check_shape(out, "out", {bs, s_q, h_q, dv}, ("[bs, s_q, h_q, " + num(dv) + "]").c_str());
   check_contiguous(out, "out");
+  if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0)
+    fail_value("out must be 16-byte aligned (the kernels write whole 16-byte rows), got a view at byte offset " +
+               num(static_cast<int64_t>(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16)) + " from 16-byte alignment");
   check_shape(lse, "lse", {bs, h_q, s_q}, "[bs, h_q, s_q]");
   check_contiguous(lse, "lse");
   if (per_head && (rope_cs.has_value() || kpe.has_value()))
@@ -349,6 +352,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.h_q = static_cast<int>(h_q);
   ap.rows = static_cast<int>(rows);
   ap.max_parts = static_cast<int>(max_parts);
+  ap.ctas = info.sm_count * info.kernel.blocks_per_sm;
   ap.rope_scores = per_head ? rope_scores.data_ptr<float>() : nullptr;
   ap.rs_stride = rs_stride;
   ap.dv = static_cast<int>(dv);
@@ -373,6 +377,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   cp.rows = ap.rows;
   cp.dv = static_cast<int>(dv);
   cp.f16 = f16;
+  cp.pdl = info.kind == AttnKernel::kHopper && sm90_pdl_enabled();
   check_launch(launch_combine(cp, stream), "combine launch");
 }
 

@@ -171,6 +171,22 @@ MLA_DEVICE float fast_log2(float x) {
 
 MLA_DEVICE float neg_inf() { return -__builtin_inff(); }
 
+// Programmatic dependent launch (NVIDIA sm_90+; no-ops elsewhere and when
+// the kernel was not launched as a dependent). pdl_wait: everything the
+// previous kernel in the stream wrote is visible after it (it waits for that
+// grid's completion); pdl_trigger: this block no longer holds back the launch
+// of the next (dependent) kernel, which still waits in its own pdl_wait.
+MLA_DEVICE void pdl_wait() {
+#if MLA_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+MLA_DEVICE void pdl_trigger() {
+#if MLA_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 #endif  // device code
 
 }  // namespace mla

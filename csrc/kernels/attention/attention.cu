@@ -337,14 +337,18 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
 }
 
 // ---------------------------------------------------------------- planner
-// One block. Splits every sequence into parts of about `per_part` tiles, with
-// per_part chosen so that all parts together number about target_parts.
+// One block of p.threads (<= kPlanThreads, a multiple of 64: bs rounded up,
+// so that a small batch pays for few threads in its barriers). Splits every
+// sequence into parts of about `per_part` tiles, with per_part chosen so that
+// all parts together number about target_parts. (It is on the critical path
+// of every call: the attention kernel waits for it.)
 constexpr int kPlanThreads = 1024;
 
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) {
   __shared__ int scan[kPlanThreads];
   __shared__ int tiles_s[kPlanThreads];
   __shared__ int total_s;
+  pdl_trigger();  // the attention kernel may start its prologue; it waits for this plan before reading it
   const int tid = thread_x();
   auto tiles_of = [&](int b) {
     const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
@@ -352,20 +356,21 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   };
   // total tiles (an empty sequence counts one: it still gets a part)
   int mine = 0;
-  for (int b = tid; b < p.bs; b += kPlanThreads) mine += tiles_of(b) > 0 ? tiles_of(b) : 1;
+  const int nt = p.threads;
+  for (int b = tid; b < p.bs; b += nt) mine += tiles_of(b) > 0 ? tiles_of(b) : 1;
   if (tid == 0) total_s = 0;
   sync_threads();
-  atomic_add_relaxed(&total_s, mine);
+  if (mine != 0) atomic_add_relaxed(&total_s, mine);
   sync_threads();
   const int per_part = max(1, (total_s + p.target_parts - 1) / p.target_parts);
 
   // Part order. Blocks are started roughly in part order as SMs free up, so
   // with lengths that differ, longest-first keeps the SMs' totals even (LPT
-  // list scheduling). One chunk (bs <= kPlanThreads): slot = rank of the
+  // list scheduling). One chunk (bs <= threads): slot = rank of the
   // sequence by tiles, descending (ties by index); more: index order.
-  const bool lpt = p.bs <= kPlanThreads;
+  const bool lpt = p.bs <= nt;
   int carry = 0;  // parts of the sequences before this chunk
-  for (int base = 0; base < p.bs; base += kPlanThreads) {
+  for (int base = 0; base < p.bs; base += nt) {
     const int b = base + tid;
     const int tiles = b < p.bs ? tiles_of(b) : 0;
     const int n = b < p.bs ? max(1, (tiles + per_part - 1) / per_part) : 0;
@@ -385,7 +390,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
     sync_threads();
     scan[slot] = n;  // slots are a permutation of 0..bs-1 (or the identity)
     sync_threads();
-    for (int off = 1; off < kPlanThreads; off <<= 1) {  // inclusive Hillis-Steele scan
+    for (int off = 1; off < nt; off <<= 1) {  // inclusive Hillis-Steele scan
       const int v = tid >= off ? scan[tid - off] : 0;
       sync_threads();
       scan[tid] += v;
@@ -396,20 +401,26 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
       p.plan[kPlanSeqBase + 2 * b] = n;
       p.plan[kPlanSeqBase + 2 * b + 1] = first;
       const int per_split = (tiles + n - 1) / n;
-      int32_t* out = p.plan + plan_part_base(p.bs) + 4 * first;
-      for (int s = 0; s < n; ++s) {
-        out[4 * s + 0] = b;
-        out[4 * s + 1] = min(s * per_split, tiles);
-        out[4 * s + 2] = min((s + 1) * per_split, tiles);
-        out[4 * s + 3] = s;
+      const int L = min(max(p.seqlens[b], 0), p.max_len);
+      int32_t* out = p.plan + plan_part_base(p.bs) + kPartInts * first;
+      for (int s = 0; s < n; ++s, out += kPartInts) {
+        out[0] = b;
+        out[1] = min(s * per_split, tiles);
+        out[2] = min((s + 1) * per_split, tiles);
+        out[3] = s;
+        out[4] = n;
+        out[5] = first;
+        out[6] = L;
+        out[7] = 0;
       }
     }
-    carry += scan[kPlanThreads - 1];
+    carry += scan[nt - 1];
     sync_threads();
   }
   if (tid == 0) {
     p.plan[0] = carry;
     p.plan[1] = per_part;
+    p.plan[plan_counter(p.bs, p.max_parts)] = 0;
   }
 }
 
@@ -419,6 +430,7 @@ constexpr int kCombineWarps = 4;
 
 template <int kDv, bool kF16>
 __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const CombineParams p) {
+  pdl_wait();  // (a dependent launch: the attention kernel's partials are visible from here)
   const int b = block_x();
   const int n = p.seq_info[2 * b];
   if (p.skip_single_split && n == 1) return;
@@ -565,7 +577,9 @@ const char* attn_kernel_info_portable(int dv, int rope, AttnKernelInfo* info) {
 
 const char* launch_plan(const PlanParams& p, stream_t stream) {
   if (p.bs <= 0 || p.target_parts <= 0 || p.tile <= 0) return "launch_plan: bad parameters";
-  plan_kernel<<<1, kPlanThreads, 0, stream>>>(p);
+  PlanParams q = p;
+  q.threads = std::min(kPlanThreads, (p.bs + 63) / 64 * 64);
+  plan_kernel<<<1, q.threads, 0, stream>>>(q);
   return last_launch_error();
 }
 
@@ -615,15 +629,42 @@ const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream) {
   return last_launch_error();
 }
 
+// As a programmatic dependent launch where p.pdl (NVIDIA), else a plain
+// one. The launch call's own error, or nullptr (then last_launch_error).
+template <int kDv, bool kF16>
+const char* launch_combine_as(dim3 grid, const CombineParams& p, stream_t stream) {
+#if MLA_NVIDIA
+  if (p.pdl) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kCombineWarps * kWarpSize);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, combine_kernel<kDv, kF16>, p);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return cudaGetErrorString(e);
+    }
+    return nullptr;
+  }
+#endif
+  combine_kernel<kDv, kF16><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
+  return nullptr;
+}
+
 const char* launch_combine(const CombineParams& p, stream_t stream) {
   dim3 grid(p.bs, (p.rows + kCombineWarps - 1) / kCombineWarps);
   switch (p.dv * 2 + (p.f16 ? 1 : 0)) {
-#define MLA_CASE(DV)                                                                \
-  case 2 * DV:                                                                      \
-    combine_kernel<DV, false><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);   \
-    break;                                                                          \
-  case 2 * DV + 1:                                                                  \
-    combine_kernel<DV, true><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);    \
+#define MLA_CASE(DV)                                         \
+  case 2 * DV:                                               \
+    if (const char* e = launch_combine_as<DV, false>(grid, p, stream)) return e; \
+    break;                                                   \
+  case 2 * DV + 1:                                           \
+    if (const char* e = launch_combine_as<DV, true>(grid, p, stream)) return e; \
     break;
     MLA_CASE(64) MLA_CASE(128) MLA_CASE(256) MLA_CASE(512)
 #undef MLA_CASE

@@ -30,12 +30,21 @@
 // Key RoPE (task semantics) rotates block NB of a half in place, after its
 // load and while the first k-steps of its S are in flight.
 //
+// Persistent: one block per resident slot walks work items (part, 64-row
+// head block) in the planner's longest-first order, taking the next from an
+// atomic counter one pair before its current item ends; the mbarrier phases
+// run on across items. Q comes by TMA, the next item's issued as soon as the
+// last S of the current item is done; O (or the fp32 partial) goes out
+// through shared memory by bulk copies that overlap the next item. The
+// planner -> attention -> combine launches are programmatic dependents.
+//
 // Rope widths below 64 (8, 16, 32): only the first `rope` columns of block
 // NB are read from memory, for Q and for the keys; the rest of the block is
 // zero-filled, so the scores are exact and the memory traffic is the real
 // width's (the S product still spans 64 columns there). On-the-fly RoPE takes
 // rope 64 only. dv 64 (one latent block, no even split) and per-head rope
 // keys run on the portable kernel.
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -64,8 +73,10 @@ namespace {
 struct TmaMaps {
   CUtensorMap kv;
   CUtensorMap kpe;
+  CUtensorMap q;  // q as [sequences][s_q * h_q rows][d], 64 x 64 boxes (columns past d read as zeros)
   int use;
   int rows;  // rows per kv box
+  int use_q;  // Q by TMA (then prefetched for the next work item): rows >= 64
 };
 
 constexpr int kBlockBytes = 64 * 128;  // one 64-column (128 B) block of 64 rows, every width
@@ -94,7 +105,12 @@ struct PairTile {
   static constexpr int kStages = kDv == 512 ? 1 : 2;
   static constexpr int kIdRing = kStages + 2;            // pairs of block-table ids held in shared memory
   static constexpr int kSmem = 1024 /*alignment*/ + (1 + 2 * kStages) * kMatBytes + 3 * kM * 4 /*sM, sL*/ +
-                               4 * kStages * 8 /*mbarriers*/ + kIdRing * kTileKeys * 4 /*page ids*/;
+                               (4 * kStages + 2) * 8 /*mbarriers*/ + kIdRing * kTileKeys * 4 /*page ids*/ +
+                               16 /*next work item*/;
+  // the epilogue stages O (bf16, or fp32 partials) in the key buffers, rows
+  // padded by 8 elements: conflict-free stores, 16-byte aligned rows
+  static constexpr int kOutRowBytes(int elt) { return (kDv + 8) * elt; }
+  static_assert(kM * (kDv + 8) * 4 <= 2 * kStages * kMatBytes, "the fp32 output tile fits in the key buffers");
   static_assert(kDv == 128 || kDv == 256 || kDv == 512, "the pair kernel takes dv 128, 256 or 512");
   static_assert(kM == kHalf && kRope == 64 && 2 * kHalfNB == kNB && 2 * kORegs == kN && kSteps == 4 * kBlocks,
                 "64-row tiles, one 64-wide rope block, the latent blocks split evenly between the warpgroups");
@@ -240,29 +256,54 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   unsigned char* k_s = q_s + T::kMatBytes;  // per stage: K0, then K1
   float* s_m = reinterpret_cast<float*>(k_s + 2 * kStages * T::kMatBytes);  // shared running max [64]
   float* s_l = s_m + T::kM;                                                   // row sums of both warpgroups [2][64]
-  uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);                // [kStages][4]
-  int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4 * kStages);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
-
-  Part pt;
-  if (!read_part(p, block_y(), pt)) return;
-  const int b = pt.b, L = pt.L;
-  const int npairs = pt.tile_end - pt.tile_begin;
+  uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);                // [kStages][4], then Q's
+  uint64_t* qbar = mb + 4 * kStages;
+  int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4 * kStages + 2);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
+  int* s_next = reinterpret_cast<int*>(ids_s + T::kIdRing * T::kTileKeys);  // the block's next work item
 
   const int tid = thread_x();
   // warpgroup index, made visibly warp-uniform for the compiler (a per-thread
   // value would make every branch on it divergent and serialize the wgmmas)
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), t = tid % 128;
   const int warp = t / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int row_base = block_x() * T::kM;
   const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's rows in the S / O layouts
 
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < 4 * kStages; ++i) wg::mbar_init(&mb[i], 128);
+    wg::mbar_init(qbar, 1);
+    wg::fence_proxy_async();  // the initialised barriers -> the TMA unit (thread 0 may issue Q before the first barrier)
   }
+  pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
+
+  // Work items: item w = (part w / hblocks, head block w % hblocks). A block
+  // starts with item blockIdx.x; persistent launches (p.ctas > 0: one block
+  // per resident slot) take further items from the plan's work counter, one
+  // pair before the current item ends. The item's state, read by the lambdas:
+  const int hblocks = (p.rows + T::kM - 1) / T::kM;
+  Part pt{};
+  int b = 0, L = 0, npairs = 0, row_base = 0;
+  int gbase = 0;  // pairs of this block's earlier items: the mbarrier phases run on across items
+  // the sequence of work item w, or -1 past the plan
+  auto item_seq = [&](int w) -> int {
+    return w >= 0 && w / hblocks < p.plan[0] ? p.plan[plan_part_base(p.bs) + kPartInts * (w / hblocks)] : -1;
+  };
+  // Q of rows [rb, rb + 64) of sequence qb by TMA (thread 0 of warpgroup 0),
+  // completing qbar's next phase
+  auto issue_q = [&](int qb, int rb) {
+    wg::mbar_arrive_expect_tx(qbar, T::kBlocks * T::kBlockBytes);
+    for (int i = 0; i < T::kBlocks; ++i) wg::tma_load_3d(q_s + i * T::kBlockBytes, &maps.q, 64 * i, rb, qb, qbar);
+  };
+  int nitem = 0;        // work items this block has started (Q's mbarrier parity)
+  bool q_ready = false;  // the current item's Q was issued during the previous item
+  auto grab = [&]() -> int {  // (the plan is read-only but for this counter)
+    return p.ctas > 0 ? atomicAdd(const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts), 1) +
+                            static_cast<int>(gridDim.x)
+                      : -1;
+  };
   // pair jp's stage: its key buffers, mbarriers (completing once per use:
-  // parity (jp / kStages) & 1) and the byte offset of its buffers
-  auto stage = [&](int jp) { return kStages == 1 ? 0 : jp % kStages; };
+  // parity ((gbase + jp) / kStages) & 1) and the byte offset of its buffers
+  auto stage = [&](int jp) { return kStages == 1 ? 0 : (gbase + jp) % kStages; };
   auto kbuf = [&](int jp) { return k_s + stage(jp) * 2 * T::kMatBytes; };
   auto mbar = [&](int jp, int which) { return &mb[4 * stage(jp) + which]; };
   auto soff = [&](int jp) { return static_cast<uint64_t>(stage(jp) * 2 * T::kMatBytes) >> 4; };  // descriptor units
@@ -420,7 +461,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // that no branch on the warpgroup sits between the wgmmas).
   auto issue_s = [&](auto kW1, float (&s)[32], int jp, auto between) {
     constexpr bool w1 = decltype(kW1)::value;
-    const uint32_t par = (jp / kStages) & 1;
+    const uint32_t par = ((gbase + jp) / kStages) & 1;
     const uint64_t dkj = dk + soff(jp);
     if (half_empty(jp, wg)) {  // nothing to multiply: the mask makes S -inf; keep the barrier phases
       wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0a : kMbK1a), par);
@@ -455,8 +496,18 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     wg::commit();
   };
 
-  // ---- Q once (all threads), then pair 0
-  {
+  for (int item = block_x();;) {
+  if (!read_part(p, item / hblocks, pt)) break;
+  b = pt.b;
+  L = pt.L;
+  npairs = pt.tile_end - pt.tile_begin;
+  row_base = (item % hblocks) * T::kM;
+
+  // ---- Q (by TMA: issued here or prefetched during the previous item's last
+  // pair; else all threads by cp.async, the previous item's S products done), then pair 0
+  if (maps.use_q) {
+    if (!q_ready && tid == 0) issue_q(b, row_base);
+  } else {
     const int qr = tid / 8, qc = tid % 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -484,7 +535,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       load_half(j, 1, kHB, kNB, false, kMbK1b);
     }
   }
-  copy_wait<0>();  // Q (the committed group)
+  if (maps.use_q)
+    wg::mbar_wait(qbar, nitem & 1);
+  else
+    copy_wait<0>();  // Q (the committed group)
   wg::fence_proxy_async();
   sync_threads();
 
@@ -500,6 +554,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;  // rows r0, r1: this warpgroup's view
   float s[32];
   uint32_t pa[16];
+  // warpgroup 0's thread 0: the block's next work item (taken one pair before
+  // the last), its sequence, and whether its Q is on its way
+  int next_item = -1, next_b = -1;
+  bool q_pref = false;
 
   using W0 = std::integral_constant<bool, false>;
   using W1 = std::integral_constant<bool, true>;
@@ -510,6 +568,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;              // a next pair: its S is issued at the end of this one
+      if (t == 0) {  // (the atomic's and the read's latencies pass under a pair)
+        if (jp == max(npairs - 2, 0)) next_item = grab();
+        if (!more) next_b = item_seq(next_item);
+      }
       const bool refill = jp + kStages < npairs;      // pair jp + kStages loads into this pair's buffers
       const uint64_t so = soff(jp);
       // pair jp + kStages's loads are issued during this pair; the page ids
@@ -539,6 +601,11 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       store_id(jp + kStages + 1, t, next_id);
       // warpgroup 1's max -> P0 rescaled for it
       wg::named_sync(kBarM1, 256);
+      // last pair: both warpgroups' S products are done, Q is free -> the next item's
+      if (!more && t == 0 && maps.use_q && next_b >= 0) {
+        issue_q(next_b, (next_item % hblocks) * T::kM);
+        q_pref = true;
+      }
       const float f0 = s_m[r0], f1 = s_m[r1];
       const float d0 = rescale(m_a, f0), d1 = rescale(m_b, f1);
 #pragma unroll
@@ -578,6 +645,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const bool more = jp + 1 < npairs, refill = jp + kStages < npairs;
       const uint64_t so = soff(jp);
       float mx0, mx1;
+      // Nothing is in flight here (the last wait was wait<0>), but without
+      // this ptxas (CUDA 13.0) cannot see it across the work-item loop and
+      // serializes every wgmma of the kernel (C7515).
+      wg::wait<0>();
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
       const float n0 = fmaxf(s_m[r0], mx0), n1 = fmaxf(s_m[r1], mx1);
@@ -616,47 +687,68 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     s_l[wg * T::kM + r0] = l_a;
     s_l[wg * T::kM + r1] = l_b;
   }
-  sync_threads();
+  if (wg == 0 && t == 0) {
+    s_next[0] = npairs > 0 ? next_item : grab();
+    s_next[1] = q_pref ? 1 : 0;
+  }
+  sync_threads();  // (also: every matrix product of the item is done, the key buffers are free)
+  q_ready = s_next[1] != 0;
+  pdl_trigger();   // the combine may launch once every block has got here
   const float l0 = s_l[r0] + s_l[T::kM + r0], l1 = s_l[r1] + s_l[T::kM + r1];
 
   constexpr float kLn2 = 0.69314718055994531f;
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const int col0 = T::kN * wg + 2 * t4;
-  if (pt.nsplit == 1) {
-    if (wg == 0 && t4 == 0) {
+  const bool fin = pt.nsplit == 1;  // the final output (bf16/fp16), else fp32 partials for the combine
+  const int64_t prow = fin ? 0 : static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
+  if (wg == 0 && t4 == 0) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row_base + (h ? r1 : r0);
-        const float l = h ? l1 : l0, m = h ? m_b : m_a;
-        if (r < p.rows)
-          p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] =
-              l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
+    for (int h = 0; h < 2; ++h) {
+      const int r = row_base + (h ? r1 : r0);
+      const float l = h ? l1 : l0, m = h ? m_b : m_a;
+      const float v = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
+      if (r < p.rows) {
+        if (fin)
+          p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] = v;
+        else
+          p.lse_part[prow + r] = v;
       }
     }
+  }
+  // O through shared memory (the key buffers), then one bulk copy per row:
+  // 16-byte-aligned rows of the output are contiguous in o / o_part
+  const int col0 = T::kN * wg + 2 * t4;
+  const int elt = fin ? 2 : 4;
+  const int orow_bytes = T::kOutRowBytes(elt);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row_base + (h ? r1 : r0);
-      if (r >= p.rows) continue;
-      const float sc = h ? inv1 : inv0;
-      bf16_t* orow = p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv + col0;
-#pragma unroll
-      for (int jn = 0; jn < T::kN / 8; ++jn)
-        *reinterpret_cast<uint32_t*>(orow + 8 * jn) = E::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
-    }
-  } else {
-    const int64_t prow = static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row_base + (h ? r1 : r0);
-      if (r >= p.rows) continue;
-      const float l = h ? l1 : l0, m = h ? m_b : m_a, sc = h ? inv1 : inv0;
-      if (wg == 0 && t4 == 0) p.lse_part[prow + r] = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
-      float* orow = p.o_part + (prow + r) * T::kDv + col0;
+  for (int h = 0; h < 2; ++h) {
+    const float sc = h ? inv1 : inv0;
+    unsigned char* srow = k_s + (h ? r1 : r0) * orow_bytes + col0 * elt;
+    if (fin) {
 #pragma unroll
       for (int jn = 0; jn < T::kN / 8; ++jn)
-        *reinterpret_cast<float2*>(orow + 8 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+        *reinterpret_cast<uint32_t*>(srow + 16 * jn) = E::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+    } else {
+#pragma unroll
+      for (int jn = 0; jn < T::kN / 8; ++jn)
+        *reinterpret_cast<float2*>(srow + 32 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
     }
   }
+  wg::fence_proxy_async();  // the stores above -> the bulk copies (async proxy)
+  sync_threads();
+  if (tid < T::kM && row_base + tid < p.rows) {
+    const int64_t r = row_base + tid;
+    void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv)
+                    : static_cast<void*>(p.o_part + (prow + r) * T::kDv);
+    wg::bulk_store(dst, k_s + tid * orow_bytes, T::kDv * elt);
+    wg::bulk_commit();
+    wg::bulk_wait_read();  // before the next item's loads overwrite the key buffers (its prologue syncs)
+  }
+  gbase += npairs;
+  ++nitem;
+  item = s_next[0];
+  if (item < 0) break;
+  }  // work items
+  wg::bulk_wait_all();
 #else
   __trap();  // built without sm_90a: the host never selects this kernel then
 #endif
@@ -679,6 +771,12 @@ const char* kernel_info(AttnKernelInfo* info) {
   return nullptr;
 }
 
+// An environment switch set to "0" (read once by each caller).
+bool env_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::string(e) == "0";
+}
+
 // cuTensorMapEncodeTiled from the driver (through the runtime: no -lcuda),
 // looked up once; nullptr if the driver does not have it.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -695,12 +793,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // A [d2][d1][d0] tensor of 16-bit elements (strides in elements), boxes of
-// 64 x box_rows x 1, 128-byte swizzle. False if TMA cannot describe it.
+// 64 x box_rows x 1, 128-byte swizzle; box elements past d0 (or d1) read as
+// zeros. False if TMA cannot describe it.
 bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1, int64_t s2,
                  int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
   if (enc == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (s1 * 2) % 16 != 0 || (s2 * 2) % 16 != 0 ||
-      d0 < 64 || d1 < box_rows || d2 < 1)
+      d0 < 1 || d1 < box_rows || d2 < 1)
     return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d0), static_cast<cuuint64_t>(d1), static_cast<cuuint64_t>(d2)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(s1 * 2), static_cast<cuuint64_t>(s2 * 2)};
@@ -710,37 +809,61 @@ bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// TMA key loads where they apply: rope width 64 (the rope block is a whole
-// box), pages (if any) of 8, 16, 32 or a multiple of 64 rows (a box must
-// start on an 8-row swizzle phase), 16-byte aligned rows and pages.
-// MLA_DECODE_TMA=0 turns them off (cp.async for every load; measurements).
+// TMA loads where they apply. Keys: pages (if any) of 8, 16, 32 or a
+// multiple of 64 rows (a box must start on an 8-row swizzle phase), 16-byte
+// aligned rows and pages; every rope width (the maps end at column d = dv +
+// rope, so the rope block's columns past the width land as zeros, as the S
+// product needs). Q: 64 query rows or more. MLA_DECODE_TMA=0 turns them off
+// (cp.async for every load; measurements and tests).
 TmaMaps make_maps(const AttnParams& p) {
   TmaMaps m{};
-  static const bool off = [] {
-    const char* e = std::getenv("MLA_DECODE_TMA");
-    return e != nullptr && std::string(e) == "0";
-  }();
+  static const bool off = env_off("MLA_DECODE_TMA");
+  if (off) return m;
+  // Q: rows of 64 query rows; columns past d (rope < 64) read as zeros, as the kernel needs
+  m.use_q = p.rows >= 64 && encode_rows(&m.q, p.q, p.dv + p.rope, p.rows, p.bs, p.q_row_stride, p.q_batch_stride, 64)
+                ? 1
+                : 0;
   const bool paged = p.block_table != nullptr;
   const int ps = p.page_size;
-  if (off || p.rope != 64 || (paged && !(ps % 64 == 0 || ps == 8 || ps == 16 || ps == 32))) return m;
+  if (paged && !(ps % 64 == 0 || ps == 8 || ps == 16 || ps == 32)) return m;
   const int64_t d = p.dv + p.rope;
   m.rows = paged && ps < 64 ? ps : 64;
   bool ok = encode_rows(&m.kv, p.kv, d, paged ? ps : p.max_len, p.num_pages, p.kv_row_stride, p.kv_page_stride, m.rows);
   if (ok && p.kpe != nullptr)
-    ok = encode_rows(&m.kpe, p.kpe, 64, p.kpe_rows, p.bs, p.kpe_row_stride, p.kpe_batch_stride, 64);
+    ok = encode_rows(&m.kpe, p.kpe, p.rope, p.kpe_rows, p.bs, p.kpe_row_stride, p.kpe_batch_stride, 64);
   m.use = ok ? 1 : 0;
   return m;
 }
 
+// Persistent launch (one block per resident slot, items from the work
+// counter) unless MLA_DECODE_PERSIST=0 (one block per item: measurements).
+// As a programmatic dependent of the planner unless MLA_DECODE_PDL=0.
 template <int kDv>
-const char* launch(const AttnParams& p, stream_t stream) {
+const char* launch(const AttnParams& p_in, stream_t stream) {
   using T = PairTile<kDv>;
-  dim3 grid((p.rows + T::kM - 1) / T::kM, p.max_parts);
+  static const bool persist = !env_off("MLA_DECODE_PERSIST");
+  AttnParams p = p_in;
+  if (!persist) p.ctas = 0;
+  const int64_t items = static_cast<int64_t>(p.max_parts) * ((p.rows + T::kM - 1) / T::kM);
+  const int64_t blocks = p.ctas > 0 ? std::min<int64_t>(p.ctas, items) : items;
+  if (blocks <= 0 || blocks > 0x7fffffff) return "launch_attention_sm90: bad number of work items";
   const TmaMaps maps = make_maps(p);
-  if (p.f16)
-    attention_sm90_kernel<true, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p, maps);
-  else
-    attention_sm90_kernel<false, kDv><<<grid, T::kThreads, T::kSmem, stream>>>(p, maps);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(T::kThreads);
+  cfg.dynamicSmemBytes = T::kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = sm90_pdl_enabled() ? 1 : 0;
+  const cudaError_t e = p.f16 ? cudaLaunchKernelEx(&cfg, attention_sm90_kernel<true, kDv>, p, maps)
+                              : cudaLaunchKernelEx(&cfg, attention_sm90_kernel<false, kDv>, p, maps);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaGetErrorString(e);
+  }
   return last_launch_error();
 }
 
@@ -748,6 +871,11 @@ constexpr const char* kSm90Shapes =
     "the Hopper kernel takes dv 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads";
 
 }  // namespace
+
+bool sm90_pdl_enabled() {
+  static const bool on = !env_off("MLA_DECODE_PDL");
+  return on;
+}
 
 bool sm90_shape_supported(int dv, int rope) {
   return (dv == 128 || dv == 256 || dv == 512) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
@@ -776,6 +904,7 @@ const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
 
 #else  // AMD: the Hopper kernel does not exist there
 
+bool sm90_pdl_enabled() { return false; }
 bool sm90_shape_supported(int, int) { return false; }
 const char* attn_kernel_info_sm90(int, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
 const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }

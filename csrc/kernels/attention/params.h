@@ -43,7 +43,9 @@ struct AttnParams {
 
   int bs, s_q, h_q;
   int rows;                   // s_q * h_q
-  int max_parts;              // grid.y: upper bound on planned parts
+  int max_parts;              // upper bound on planned parts
+  int ctas;                   // Hopper kernel: blocks resident at once (SMs x blocks per SM); > 0 makes it
+                              //   persistent (blocks take work items from the plan's counter), 0: one block per item
   const float* rope_scores;   // or nullptr: per-head rope keys, the rope part of the score of row r for key t
                               //   of sequence b at rope_scores[(b * rows + r) * rs_stride + t] (fp32, unscaled);
                               //   then the key is the Dv latent columns alone (rope == 0)
@@ -75,6 +77,7 @@ struct CombineParams {
   const float* lse_part;      // [max_parts, rows]
   const int32_t* seq_info;    // [bs, 2]: (number of splits, first part) per sequence
   bool skip_single_split;     // sequences with one split were written by the attention kernel
+  bool pdl;                   // launched as a programmatic dependent of the attention kernel (NVIDIA sm_90)
   bf16_t* o;                  // [bs, rows, Dv]  (= [bs, s_q, h_q, Dv])
   float* lse;                 // [bs, h_q, s_q]
   int bs, s_q, h_q, rows, dv;

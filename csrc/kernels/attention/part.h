@@ -20,15 +20,16 @@ struct Part {
 
 // False for the blocks of grid.y beyond the planned parts (they exit).
 MLA_DEVICE bool read_part(const AttnParams& p, int part, Part& out) {
-  if (part >= p.plan[0]) return false;
-  const int32_t* pi = p.plan + plan_part_base(p.bs) + 4 * part;
-  out.b = pi[0];
-  out.tile_begin = pi[1];
-  out.tile_end = pi[2];
-  out.split = pi[3];
-  out.nsplit = p.plan[kPlanSeqBase + 2 * out.b];
-  out.first_part = p.plan[kPlanSeqBase + 2 * out.b + 1];
-  out.L = min(max(p.seqlens[out.b], 0), p.max_len);
+  if (part < 0 || part >= p.plan[0]) return false;
+  const int4* pi = reinterpret_cast<const int4*>(p.plan + plan_part_base(p.bs) + kPartInts * part);
+  const int4 a = pi[0], c = pi[1];  // (independent of each other and of plan[0])
+  out.b = a.x;
+  out.tile_begin = a.y;
+  out.tile_end = a.z;
+  out.split = a.w;
+  out.nsplit = c.x;
+  out.first_part = c.y;
+  out.L = c.z;
   return true;
 }
 

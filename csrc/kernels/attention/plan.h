@@ -5,7 +5,12 @@
 //   plan[1]                          tiles per part chosen
 //   plan[kSeqBase + 2*b + 0]         number of splits of sequence b
 //   plan[kSeqBase + 2*b + 1]         index of sequence b's first part
-//   plan[kPartBase(bs) + 4*p + 0..3] part p: sequence, first tile, end tile, split index
+//   plan[kPartBase(bs) + 8*p + 0..7] part p: sequence, first tile, end tile, split index,
+//                                    splits of the sequence, its first part, its length
+//                                    (clamped to [0, max_len]), 0 (one 32-byte read, no
+//                                    dependent reads of the lengths and the sequence table)
+//   plan[plan_counter(bs, max_parts)] work counter of the persistent Hopper kernel (0 after
+//                                    the planner; its blocks take their next item from it)
 //
 // A part is a contiguous range of key tiles of one sequence; a sequence of
 // length 0 still gets one (empty) part so that its output is written.
@@ -16,8 +21,10 @@
 namespace mla {
 
 constexpr int kPlanSeqBase = 2;
-MLA_HOST_DEVICE constexpr int plan_part_base(int bs) { return kPlanSeqBase + 2 * bs; }
-MLA_HOST_DEVICE constexpr int plan_size(int bs, int max_parts) { return plan_part_base(bs) + 4 * max_parts; }
+constexpr int kPartInts = 8;
+MLA_HOST_DEVICE constexpr int plan_part_base(int bs) { return (kPlanSeqBase + 2 * bs + 7) / 8 * 8; }  // 32-byte aligned
+MLA_HOST_DEVICE constexpr int plan_counter(int bs, int max_parts) { return plan_part_base(bs) + kPartInts * max_parts; }
+MLA_HOST_DEVICE constexpr int plan_size(int bs, int max_parts) { return plan_counter(bs, max_parts) + 1; }
 
 struct PlanParams {
   const int32_t* seqlens;  // [bs]
@@ -28,6 +35,7 @@ struct PlanParams {
   int tile;                // keys per tile of the attention kernel
   int s_q;                 // (causal rows never see more than the sequence)
   int max_len;             // cache capacity: lengths are clamped to [0, max_len]
+  int threads;             // block size (set by launch_plan)
 };
 
 }  // namespace mla
