@@ -144,6 +144,13 @@ def test_attention_bad_inputs():
         mla_attention(q, kv, seqlens.cpu(), 0.1)
     with pytest.raises(ValueError, match=r"rope_cs must cover every cache position"):
         mla_attention(q, kv, seqlens, 0.1, rope_cs=rope_table(4, device="cuda"))
+    # out must be 16-byte aligned (rows are written whole); nothing is written on refusal
+    bs, s_q, h_q = q.shape[:3]
+    buf = torch.full((bs * s_q * h_q * 512 + 1,), 7.0, device="cuda", dtype=q.dtype)
+    lse = torch.empty(bs, h_q, s_q, device="cuda")
+    with pytest.raises(ValueError, match=r"out must be 16-byte aligned"):
+        mla_attention(q, kv, seqlens, 0.1, out=buf[1:].view(bs, s_q, h_q, 512), lse=lse)
+    assert bool((buf == 7.0).all())
 
 
 def test_combine_op():

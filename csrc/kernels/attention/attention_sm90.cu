@@ -568,7 +568,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
     for (int jp = 0; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;              // a next pair: its S is issued at the end of this one
-      if (t == 0) {  // (the atomic's and the read's latencies pass under a pair)
+      // Taking the next item early and prefetching its Q: at dv 512 only (the
+      // extra code in the loop made dv 128/256 2-3% slower, measured on an
+      // H200; they take the next item in the epilogue and Q in the prologue)
+      if (kDv == 512 && t == 0) {  // (the atomic's and the read's latencies pass under a pair)
         if (jp == max(npairs - 2, 0)) next_item = grab();
         if (!more) next_b = item_seq(next_item);
       }
@@ -602,7 +605,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       // warpgroup 1's max -> P0 rescaled for it
       wg::named_sync(kBarM1, 256);
       // last pair: both warpgroups' S products are done, Q is free -> the next item's
-      if (!more && t == 0 && maps.use_q && next_b >= 0) {
+      if (kDv == 512 && !more && t == 0 && maps.use_q && next_b >= 0) {
         issue_q(next_b, (next_item % hblocks) * T::kM);
         q_pref = true;
       }
@@ -645,10 +648,6 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const bool more = jp + 1 < npairs, refill = jp + kStages < npairs;
       const uint64_t so = soff(jp);
       float mx0, mx1;
-      // Nothing is in flight here (the last wait was wait<0>), but without
-      // this ptxas (CUDA 13.0) cannot see it across the work-item loop and
-      // serializes every wgmma of the kernel (C7515).
-      wg::wait<0>();
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
       const float n0 = fmaxf(s_m[r0], mx0), n1 = fmaxf(s_m[r1], mx1);
@@ -657,6 +656,11 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         s_m[r1] = n1;
       }
       wg::named_arrive(kBarM1, 256);
+      // Nothing is in flight here (the last wait was wait<0>), but without
+      // this ptxas (CUDA 13.0) cannot see it across the work-item loop and
+      // serializes every wgmma of the kernel (C7515). (Here rather than at the
+      // top of the pair: measured 0-2% faster.)
+      wg::wait<0>();
       softmax_step<kF16>(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       store_p(p_mine(jp), pa, r0, r1, t4);
       wg::fence_proxy_async();
@@ -688,7 +692,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     s_l[wg * T::kM + r1] = l_b;
   }
   if (wg == 0 && t == 0) {
-    s_next[0] = npairs > 0 ? next_item : grab();
+    s_next[0] = npairs > 0 && kDv == 512 ? next_item : grab();
     s_next[1] = q_pref ? 1 : 0;
   }
   sync_threads();  // (also: every matrix product of the item is done, the key buffers are free)
