@@ -106,6 +106,7 @@ def test_flexible_rope_on_the_fly(dv, rope):
     (512, 64, True, 64, 128, 1, torch.bfloat16),
     (512, 16, False, 1, 32, 1, torch.bfloat16),
     (512, 16, True, 16, 32, 1, torch.float16),
+    (512, 32, True, 1, 8, 4, torch.bfloat16),
     (256, 64, False, 32, 8, 4, torch.float16),
     (256, 8, False, 1, 128, 2, torch.bfloat16),
     (128, 64, False, 64, 64, 1, torch.float16),
@@ -121,6 +122,25 @@ def test_flexible_serving(dv, rope, per_head, block, h_q, s_q, dtype):
     ro, rl = attention_reference(q, pages, seqlens, (dv + rope) ** -0.5, block_table=table, causal=s_q > 1,
                                  head_dim_v=dv, kpe_heads=kh)
     check(out, lse, ro, rl, f"serving dv={dv} rope={rope} per_head={per_head} block={block} h_q={h_q} s_q={s_q}")
+
+
+@pytest.mark.parametrize("h_q,s_q,rope,dtype", [(32, 1, 16, torch.bfloat16), (12, 1, 32, torch.bfloat16),
+                                                 (8, 4, 64, torch.bfloat16), (16, 2, 8, torch.float16),
+                                                 (40, 1, 16, torch.bfloat16)])
+def test_per_head_keys_dv512(h_q, s_q, rope, dtype):
+    # dv 512 with at most 32 query rows runs on the Hopper kernel where there is
+    # one (the score tile in its rope block; rows not a multiple of 8 by cp.async),
+    # more rows on the portable one; lengths cover partial halves and a 1-key tail
+    lens = [4097, 1, 129, 700, 63, 2000]
+    q, kv, kh, seqlens = make_flat(lens, h_q, 512, rope, True, s_q=s_q, seed=h_q + s_q, dtype=dtype)
+    out, lse = poisoned(q, 512)
+    mla_attention(q, kv, seqlens, 0.09, out=out, lse=lse, head_dim_v=512, kpe_heads=kh, causal=s_q > 1)
+    ro, rl = attention_reference(q, kv, seqlens, 0.09, head_dim_v=512, kpe_heads=kh, causal=s_q > 1)
+    check(out, lse, ro, rl, f"per-head dv 512 h_q={h_q} s_q={s_q} rope={rope}")
+    from mla_decode import _C
+    dev = torch.cuda.current_device()
+    if _C.attention_info(dev, 512, 64)[7] == 1:  # a Hopper build on a Hopper GPU: which kernel took the call
+        assert _C.attention_info(dev, 512, 0, h_q * s_q)[7] == (1 if h_q * s_q <= 32 else 0)
 
 
 def test_flexible_bad_inputs():

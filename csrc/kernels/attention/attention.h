@@ -36,6 +36,9 @@ const char* launch_combine(const CombineParams& p, stream_t stream);
 // dv 128, 256 or 512 with rope keys shared by all heads, rope 8-64
 // (on-the-fly key RoPE: rope 64). Other shapes: the portable kernel.
 bool sm90_shape_supported(int dv, int rope);
+// Per-head rope keys (scores precomputed by launch_rope_scores) on the Hopper
+// kernel: dv 512 and rows = s_q * h_q <= 32.
+bool sm90_per_head_supported(int dv, int64_t rows);
 // Whether the planner -> Hopper attention -> combine launches overlap by
 // programmatic dependent launch (on by default; MLA_DECODE_PDL=0 turns it off).
 bool sm90_pdl_enabled();

@@ -74,6 +74,7 @@ struct TmaMaps {
   CUtensorMap kv;
   CUtensorMap kpe;
   CUtensorMap q;  // q as [sequences][s_q * h_q rows][d], 64 x 64 boxes (columns past d read as zeros)
+  CUtensorMap sc;  // per-head rope keys: rope_scores as [sequences][rows][rs_stride] fp32, 32 keys x rows boxes
   int use;
   int rows;  // rows per kv box
   int use_q;  // Q by TMA (then prefetched for the next work item): rows >= 64
@@ -239,7 +240,12 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
 
 // kF16: q, kv and o hold fp16 (else bf16; on-the-fly key RoPE only then).
 // kDv: value width (128, 256, 512).
-template <bool kF16, int kDv>
+// kPH: per-head rope keys (MHA2MLA; rows = s_q * h_q <= 32): the key is the
+// dv latent columns alone; the rope part of every score comes precomputed
+// (p.rope_scores, launch_rope_scores) and is added to S. Its tile of a half
+// (rows x 64 keys fp32, two 128B-swizzled boxes of 32 keys) loads into the
+// rope block, where that half's P is stored after the softmax.
+template <bool kF16, int kDv, bool kPH>
 __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -352,9 +358,16 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     if (maps.use && key0 + T::kHalf <= L) {
       uint64_t* mbp = mbar(jp, bar);
       if (t == 0) {
-        wg::mbar_arrive_expect_tx(mbp, ((bhi - blo) + (with8 ? 1 : 0)) * T::kBlockBytes);
+        wg::mbar_arrive_expect_tx(mbp, (bhi - blo) * T::kBlockBytes +
+                                           (with8 ? (kPH ? 2 * p.rows * 128 : T::kBlockBytes) : 0));
         unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
-        if (with8 && p.kpe != nullptr) wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp);
+        if constexpr (kPH) {
+          if (with8)
+            for (int kk = 0; kk < 2; ++kk)
+              wg::tma_load_3d(dst + kNB * T::kBlockBytes + kk * p.rows * 128, &maps.sc, key0 + 32 * kk, 0, b, mbp);
+        } else if (with8 && p.kpe != nullptr) {
+          wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp);
+        }
         for (int k = key0; k < key0 + T::kHalf; k += maps.rows) {  // one box of `rows` keys per column block
           int row = k, page = b;
           if (paged) {
@@ -364,7 +377,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
           }
           unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
           for (int bk = blo; bk < bhi; ++bk) wg::tma_load_3d(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp);
-          if (with8 && p.kpe == nullptr) wg::tma_load_3d(d + kNB * T::kBlockBytes, &maps.kv, 64 * kNB, row, page, mbp);
+          if (!kPH && with8 && p.kpe == nullptr)
+            wg::tma_load_3d(d + kNB * T::kBlockBytes, &maps.kv, 64 * kNB, row, page, mbp);
         }
       } else {
         wg::mbar_arrive(mbp);
@@ -385,12 +399,20 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const bf16_t* src = valid ? srcs[i] : p.kv;
       unsigned char* d = dst + i * 16 * 128;
       for (int bk = blo; bk < bhi; ++bk) copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
-      if (with8) {  // the rope block: from the cache, or from the separate (rotated) k_pe rows
+      if (!kPH && with8) {  // the rope block: from the cache, or from the separate (rotated) k_pe rows
         const bool in_rope = valid && lc < rope_chunks;  // (columns past the rope width: zeros)
         const bf16_t* src8 = p.kpe == nullptr ? src + kNB * 64
                                               : p.kpe + b * p.kpe_batch_stride +
                                                     static_cast<int64_t>(key_base + 16 * i) * p.kpe_row_stride + lc * 8;
         copy16_async(d + kNB * T::kBlockBytes, in_rope ? src8 : p.kv, in_rope);
+      }
+    }
+    if (kPH && with8) {  // the score tile (within the workspace: its rows reach the key tiles)
+      unsigned char* sb = kbuf(jp) + h * T::kMatBytes + kNB * T::kBlockBytes;
+      for (int idx = t; idx < 16 * p.rows; idx += 128) {
+        const int kk = idx / (8 * p.rows), r = (idx / 8) % p.rows, c = idx % 8;
+        const float* src = p.rope_scores + (static_cast<int64_t>(b) * p.rows + r) * p.rs_stride + key0 + 32 * kk + 4 * c;
+        copy16_async(sb + kk * p.rows * 128 + r * 128 + ((c ^ (r & 7)) << 4), src, true);
       }
     }
     wg::cp_async_arrive(mbar(jp, bar));
@@ -490,10 +512,34 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     else
       s_steps<4 * kHB, 4 * kNB, kF16, -1>(s, dq, dkj);
     wg::commit();
-    if (rope) rotate_half(jp, wg);
-    wg::fence();
-    s_steps<4 * kNB, T::kSteps, kF16, -1>(s, dq, dkj);
-    wg::commit();
+    if constexpr (!kPH) {  // the rope block's k-steps (per-head keys: their scores are added instead)
+      if (rope) rotate_half(jp, wg);
+      wg::fence();
+      s_steps<4 * kNB, T::kSteps, kF16, -1>(s, dq, dkj);
+      wg::commit();
+    }
+  };
+
+  // Per-head rope keys: S += this half's score tile (rows < p.rows; the
+  // others are padding rows, never written out). Swizzled as the boxes land.
+  auto add_scores = [&](float(&sacc)[32], int jp) {
+    if constexpr (kPH) {
+      const unsigned char* sb = p_mine(jp);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = hh ? r1 : r0;
+        if (r < p.rows) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {  // columns 8k + 2 t4, + 1
+            const int c = 8 * k + 2 * t4, cc = c & 31;
+            const float2 v = *reinterpret_cast<const float2*>(sb + (c >> 5) * p.rows * 128 + r * 128 +
+                                                               (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4);
+            sacc[4 * k + 2 * hh] += v.x;
+            sacc[4 * k + 2 * hh + 1] += v.y;
+          }
+        }
+      }
+    }
   };
 
   for (int item = block_x();;) {
@@ -587,6 +633,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       prefetch_pages(jp + kStages + 2);
       // softmax of S0 against the running max
       float mx0, mx1;
+      add_scores(s, jp);
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       const float n0 = fmaxf(m_a, mx0), n1 = fmaxf(m_b, mx1);
       if (t4 == 0) {
@@ -648,6 +695,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const bool more = jp + 1 < npairs, refill = jp + kStages < npairs;
       const uint64_t so = soff(jp);
       float mx0, mx1;
+      add_scores(s, jp);
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
       const float n0 = fmaxf(s_m[r0], mx0), n1 = fmaxf(s_m[r1], mx1);
@@ -758,21 +806,39 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
 #endif
 }
 
-template <int kDv>
-const char* kernel_info(AttnKernelInfo* info) {
+// Per-head rope keys on the Hopper kernel: dv 512 (MHA2MLA's conversions
+// keep DeepSeek's latent width) and at most 32 query rows (the score tile of
+// a half fits the rope block).
+constexpr int kPerHeadDv = 512, kPerHeadRows = 32;
+
+template <int kDv, bool kPH>
+const char* kernel_info_as(AttnKernelInfo* info) {
   using T = PairTile<kDv>;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv, kPH>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv, kPH>, T::kSmem)) return e;
   info->rows_per_block = T::kM;
   info->tile = T::kTileKeys;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  const int bf = max_active_blocks(attention_sm90_kernel<false, kDv>, T::kThreads, T::kSmem);
-  const int hf = max_active_blocks(attention_sm90_kernel<true, kDv>, T::kThreads, T::kSmem);
+  const int bf = max_active_blocks(attention_sm90_kernel<false, kDv, kPH>, T::kThreads, T::kSmem);
+  const int hf = max_active_blocks(attention_sm90_kernel<true, kDv, kPH>, T::kThreads, T::kSmem);
   info->blocks_per_sm = bf < hf ? bf : hf;
   if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
+}
+
+template <int kDv>
+const char* kernel_info(AttnKernelInfo* info) {
+  if constexpr (kDv == kPerHeadDv) {
+    AttnKernelInfo ph{};
+    if (const char* e = kernel_info_as<kDv, true>(&ph)) return e;
+    if (const char* e = kernel_info_as<kDv, false>(info)) return e;
+    info->blocks_per_sm = ph.blocks_per_sm < info->blocks_per_sm ? ph.blocks_per_sm : info->blocks_per_sm;
+    return nullptr;
+  } else {
+    return kernel_info_as<kDv, false>(info);
+  }
 }
 
 // An environment switch set to "0" (read once by each caller).
@@ -813,6 +879,23 @@ bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// rope_scores [bs][rows][rs_stride] fp32 as TMA boxes of 32 keys x rows
+// (128 bytes wide, 128-byte swizzle). False if TMA cannot describe it.
+bool encode_scores(CUtensorMap* map, const AttnParams& p) {
+  const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
+  if (enc == nullptr || reinterpret_cast<uintptr_t>(p.rope_scores) % 16 != 0 || (p.rs_stride * 4) % 16 != 0 ||
+      p.rows < 8 || p.rows > kPerHeadRows || p.rows % 8 != 0)
+    return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.rs_stride), static_cast<cuuint64_t>(p.rows),
+                              static_cast<cuuint64_t>(p.bs)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.rs_stride * 4),
+                                 static_cast<cuuint64_t>(p.rs_stride * 4 * p.rows)};
+  const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(p.rows), 1}, elem[3] = {1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(p.rope_scores), dims, strides, box, elem,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // TMA loads where they apply. Keys: pages (if any) of 8, 16, 32 or a
 // multiple of 64 rows (a box must start on an 8-row swizzle phase), 16-byte
 // aligned rows and pages; every rope width (the maps end at column d = dv +
@@ -835,6 +918,7 @@ TmaMaps make_maps(const AttnParams& p) {
   bool ok = encode_rows(&m.kv, p.kv, d, paged ? ps : p.max_len, p.num_pages, p.kv_row_stride, p.kv_page_stride, m.rows);
   if (ok && p.kpe != nullptr)
     ok = encode_rows(&m.kpe, p.kpe, p.rope, p.kpe_rows, p.bs, p.kpe_row_stride, p.kpe_batch_stride, 64);
+  if (ok && p.rope_scores != nullptr) ok = encode_scores(&m.sc, p);
   m.use = ok ? 1 : 0;
   return m;
 }
@@ -842,7 +926,7 @@ TmaMaps make_maps(const AttnParams& p) {
 // Persistent launch (one block per resident slot, items from the work
 // counter) unless MLA_DECODE_PERSIST=0 (one block per item: measurements).
 // As a programmatic dependent of the planner unless MLA_DECODE_PDL=0.
-template <int kDv>
+template <int kDv, bool kPH>
 const char* launch(const AttnParams& p_in, stream_t stream) {
   using T = PairTile<kDv>;
   static const bool persist = !env_off("MLA_DECODE_PERSIST");
@@ -862,8 +946,8 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = sm90_pdl_enabled() ? 1 : 0;
-  const cudaError_t e = p.f16 ? cudaLaunchKernelEx(&cfg, attention_sm90_kernel<true, kDv>, p, maps)
-                              : cudaLaunchKernelEx(&cfg, attention_sm90_kernel<false, kDv>, p, maps);
+  const cudaError_t e = p.f16 ? cudaLaunchKernelEx(&cfg, attention_sm90_kernel<true, kDv, kPH>, p, maps)
+                              : cudaLaunchKernelEx(&cfg, attention_sm90_kernel<false, kDv, kPH>, p, maps);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return cudaGetErrorString(e);
@@ -872,7 +956,8 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
 }
 
 constexpr const char* kSm90Shapes =
-    "the Hopper kernel takes dv 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads";
+    "the Hopper kernel takes dv 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads, or dv 512 with "
+    "per-head rope keys (their scores precomputed) for at most 32 query rows (s_q * h_q)";
 
 }  // namespace
 
@@ -885,6 +970,8 @@ bool sm90_shape_supported(int dv, int rope) {
   return (dv == 128 || dv == 256 || dv == 512) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
 }
 
+bool sm90_per_head_supported(int dv, int64_t rows) { return dv == kPerHeadDv && rows >= 1 && rows <= kPerHeadRows; }
+
 const char* attn_kernel_info_sm90(int dv, AttnKernelInfo* info) {
   switch (dv) {
     case 128: return kernel_info<128>(info);
@@ -895,13 +982,18 @@ const char* attn_kernel_info_sm90(int dv, AttnKernelInfo* info) {
 }
 
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
-  if (p.rope_scores != nullptr || !sm90_shape_supported(p.dv, p.rope)) return kSm90Shapes;
+  if (p.rope_scores != nullptr) {
+    if (!sm90_per_head_supported(p.dv, p.rows) || p.rope != 0 || p.rope_cs != nullptr || p.kpe != nullptr)
+      return kSm90Shapes;
+    return launch<kPerHeadDv, true>(p, stream);
+  }
+  if (!sm90_shape_supported(p.dv, p.rope)) return kSm90Shapes;
   if (p.rope_cs != nullptr && p.rope != 64) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
   switch (p.dv) {
-    case 128: return launch<128>(p, stream);
-    case 256: return launch<256>(p, stream);
-    case 512: return launch<512>(p, stream);
+    case 128: return launch<128, false>(p, stream);
+    case 256: return launch<256, false>(p, stream);
+    case 512: return launch<512, false>(p, stream);
     default: return kSm90Shapes;
   }
 }
@@ -910,6 +1002,7 @@ const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
 
 bool sm90_pdl_enabled() { return false; }
 bool sm90_shape_supported(int, int) { return false; }
+bool sm90_per_head_supported(int, int64_t) { return false; }
 const char* attn_kernel_info_sm90(int, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
 const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
 
