@@ -9,8 +9,7 @@ rope keys of width 16). s_q=1, one KV head, equal lengths L, device events
 around --batch calls back to back (device time per call), median; us /
 TFLOP/s / GB/s / % of the floor max(bytes/BW, FLOPs/peak); bytes = cache rows (+ per-head rope keys) read once, q read, out written.
 The kernel column says which kernel ran (the Hopper one takes dv 128, 256
-and 512 with shared rope keys, and dv 512 with per-head rope keys for at most
-32 query rows; dv 64 and the other per-head shapes run the portable
+and 512, with shared or per-head rope keys; dv 64 runs the portable
 kernel)."""
 
 import argparse
@@ -68,7 +67,7 @@ def main():
             mla_decode.mla_attention(q, kv, seqlens, d ** -0.5, head_dim_v=dv, kpe_heads=kh)
 
         us = time_events(call, iters=args.iters, batch=args.batch) * 1e3
-        kind = "hopper" if _C.attention_info(dev, dv, 0 if per_head else rope, h_q)[7] == 1 else "portable"
+        kind = "hopper" if _C.attention_info(dev, dv, 0 if per_head else rope)[7] == 1 else "portable"
         fl = 2 * bs * h_q * L * (d + dv)
         by = 2 * kv.numel() + (2 * kh.numel() if per_head else 0) + 2 * bs * h_q * (d + dv) + 4 * bs * h_q
         row = dict(label=label, h_q=h_q, dv=dv, rope=rope, per_head=per_head, kernel=kind, **rates(us, fl, by, peaks))

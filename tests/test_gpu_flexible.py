@@ -126,11 +126,12 @@ def test_flexible_serving(dv, rope, per_head, block, h_q, s_q, dtype):
 
 @pytest.mark.parametrize("h_q,s_q,rope,dtype", [(32, 1, 16, torch.bfloat16), (12, 1, 32, torch.bfloat16),
                                                  (8, 4, 64, torch.bfloat16), (16, 2, 8, torch.float16),
-                                                 (40, 1, 16, torch.bfloat16)])
+                                                 (40, 1, 16, torch.bfloat16), (128, 1, 16, torch.bfloat16),
+                                                 (72, 1, 64, torch.float16)])
 def test_per_head_keys_dv512(h_q, s_q, rope, dtype):
-    # dv 512 with at most 32 query rows runs on the Hopper kernel where there is
-    # one (the score tile in its rope block; rows not a multiple of 8 by cp.async),
-    # more rows on the portable one; lengths cover partial halves and a 1-key tail
+    # on the Hopper kernel where there is one: work items of 32 query rows, the
+    # score tile in the rope block (rows past the last zero-filled; fewer than
+    # 32 rows by cp.async); lengths cover partial halves and a 1-key tail
     lens = [4097, 1, 129, 700, 63, 2000]
     q, kv, kh, seqlens = make_flat(lens, h_q, 512, rope, True, s_q=s_q, seed=h_q + s_q, dtype=dtype)
     out, lse = poisoned(q, 512)
@@ -139,8 +140,8 @@ def test_per_head_keys_dv512(h_q, s_q, rope, dtype):
     check(out, lse, ro, rl, f"per-head dv 512 h_q={h_q} s_q={s_q} rope={rope}")
     from mla_decode import _C
     dev = torch.cuda.current_device()
-    if _C.attention_info(dev, 512, 64)[7] == 1:  # a Hopper build on a Hopper GPU: which kernel took the call
-        assert _C.attention_info(dev, 512, 0, h_q * s_q)[7] == (1 if h_q * s_q <= 32 else 0)
+    if _C.attention_info(dev, 512, 64)[7] == 1:  # a Hopper build on a Hopper GPU: per-head keys go there too
+        assert _C.attention_info(dev, 512, 0)[7] == 1 and _C.attention_info(dev, 512, 0)[0] == 32
 
 
 def test_flexible_bad_inputs():

@@ -17,10 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("archs") = MLA_BUILD_ARCHS;
   m.def("attention_info", &mla::api::attention_info, py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
-        py::arg("rows") = 0,
         "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, "
-        "1 hopper)] for value width dv and rope width rope inside the key (0: per-head rope keys, for calls of `rows` "
-        "= s_q * h_q query rows)");
+        "1 hopper)] for value width dv and rope width rope inside the key (0: per-head rope keys)");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none());

@@ -49,16 +49,15 @@ struct DeviceAttnInfo {
 // on-the-fly RoPE only at width 64), else the portable tile-MMA kernel.
 // MLA_DECODE_ATTN_KERNEL=portable|hopper overrides (for measurements and
 // tests; read once); `hopper` applies to those shapes only.
-// per_head_rows: with per-head rope keys (rope_in_key 0), the query rows
-// s_q * h_q of the call (the Hopper kernel takes at most 32 of them).
-bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly, int64_t per_head_rows) {
-  if (rope_in_key == 0) return !rope_on_the_fly && sm90_per_head_supported(static_cast<int>(dv), per_head_rows);
+// rope_in_key 0: per-head rope keys.
+bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
+  if (rope_in_key == 0) return !rope_on_the_fly && sm90_per_head_supported(static_cast<int>(dv));
   return sm90_shape_supported(static_cast<int>(dv), static_cast<int>(rope_in_key)) &&
          (!rope_on_the_fly || rope_in_key == kRope);
 }
 
-AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, int64_t per_head_rows) {
-  if (!hopper_shape(dv, rope, rope_on_the_fly, per_head_rows)) return AttnKernel::kPortable;
+AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly) {
+  if (!hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
   static const int forced = [] {
     const char* s = std::getenv("MLA_DECODE_ATTN_KERNEL");
     if (s == nullptr || *s == 0) return -1;
@@ -73,12 +72,9 @@ AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_th
 }
 
 // Kernel facts and the SM/CU count, read once per device and shape (and
-// whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64;
-// with per-head rope keys, rope 0, whether the call's query rows are few
-// enough for the Hopper kernel: the same slot, on-the-fly RoPE never comes
-// with per-head keys).
+// whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64).
 const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope,
-                                       bool rope_on_the_fly = false, int64_t per_head_rows = 0) {
+                                       bool rope_on_the_fly = false) {
   static std::mutex mu;
   static std::array<std::array<DeviceAttnInfo, 2 * kShapes>, 64> cache{};
   static std::array<std::array<bool, 2 * kShapes>, 64> ready{};
@@ -86,16 +82,15 @@ const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rop
   const int shape = shape_index(dv, rope);
   if (shape < 0)
     fail_value("unsupported attention shape dv=" + num(dv) + ", rope=" + num(rope) + "; " + kAttnShapesSupported);
-  const bool ph_hopper = rope == 0 && per_head_rows > 0 && per_head_rows <= 32;
-  const int si = 2 * shape + (rope_on_the_fly || ph_hopper ? 1 : 0);
+  const int si = 2 * shape + (rope_on_the_fly ? 1 : 0);
   std::lock_guard<std::mutex> lock(mu);
   if (!ready[device][si]) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly, ph_hopper ? per_head_rows : 0);
+    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly);
     check_launch(info.kind == AttnKernel::kHopper
-                     ? attn_kernel_info_sm90(static_cast<int>(dv), &info.kernel)
+                     ? attn_kernel_info_sm90(static_cast<int>(dv), rope == 0, &info.kernel)
                      : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), &info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
@@ -287,7 +282,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
   const int64_t rows = s_q * h_q;
-  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value(), per_head ? rows : 0);
+  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value());
   auto stream = at::cuda::getCurrentCUDAStream(device).stream();
   const Planned pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream);
   const int64_t max_parts = pl.max_parts;
@@ -454,8 +449,8 @@ void copy_async(at::Tensor& dst, const at::Tensor& src) {
                "copy_async");
 }
 
-std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope, int64_t rows) {
-  const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device), dv, rope, false, rope == 0 ? rows : 0);
+std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {
+  const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device), dv, rope);
   return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
           i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       static_cast<int64_t>(i.kind)};
 }

@@ -40,6 +40,6 @@ void copy_async(at::Tensor& dst, const at::Tensor& src);
 // [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
 //  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`
 // for value width dv and rope width rope inside the key (0: per-head rope keys).
-std::vector<int64_t> attention_info(int64_t device, int64_t dv = 512, int64_t rope = 64, int64_t rows = 0);
+std::vector<int64_t> attention_info(int64_t device, int64_t dv = 512, int64_t rope = 64);
 
 }  // namespace mla::api

@@ -37,12 +37,12 @@ const char* launch_combine(const CombineParams& p, stream_t stream);
 // (on-the-fly key RoPE: rope 64). Other shapes: the portable kernel.
 bool sm90_shape_supported(int dv, int rope);
 // Per-head rope keys (scores precomputed by launch_rope_scores) on the Hopper
-// kernel: dv 512 and rows = s_q * h_q <= 32.
-bool sm90_per_head_supported(int dv, int64_t rows);
+// kernel: dv 128, 256 or 512; work items of 32 query rows there.
+bool sm90_per_head_supported(int dv);
 // Whether the planner -> Hopper attention -> combine launches overlap by
 // programmatic dependent launch (on by default; MLA_DECODE_PDL=0 turns it off).
 bool sm90_pdl_enabled();
-const char* attn_kernel_info_sm90(int dv, AttnKernelInfo* info);
+const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info);
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
 
 }  // namespace mla

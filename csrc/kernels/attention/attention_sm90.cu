@@ -240,11 +240,13 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
 
 // kF16: q, kv and o hold fp16 (else bf16; on-the-fly key RoPE only then).
 // kDv: value width (128, 256, 512).
-// kPH: per-head rope keys (MHA2MLA; rows = s_q * h_q <= 32): the key is the
-// dv latent columns alone; the rope part of every score comes precomputed
-// (p.rope_scores, launch_rope_scores) and is added to S. Its tile of a half
-// (rows x 64 keys fp32, two 128B-swizzled boxes of 32 keys) loads into the
-// rope block, where that half's P is stored after the softmax.
+// kPH: per-head rope keys (MHA2MLA): the key is the dv latent columns alone;
+// the rope part of every score comes precomputed (p.rope_scores,
+// launch_rope_scores) and is added to S. A work item then covers 32 query
+// rows (the wgmma's other 32 rows compute nothing that is kept), so that the
+// score tile of a half (32 rows x 64 keys fp32: two 128B-swizzled boxes of 32
+// keys, 8 KB) fits the rope block, where that half's P is stored after the
+// softmax.
 template <bool kF16, int kDv, bool kPH>
 __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
@@ -286,7 +288,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // starts with item blockIdx.x; persistent launches (p.ctas > 0: one block
   // per resident slot) take further items from the plan's work counter, one
   // pair before the current item ends. The item's state, read by the lambdas:
-  const int hblocks = (p.rows + T::kM - 1) / T::kM;
+  constexpr int kRB = kPH ? 32 : T::kM;  // query rows of a work item
+  const int hblocks = (p.rows + kRB - 1) / kRB;
   Part pt{};
   int b = 0, L = 0, npairs = 0, row_base = 0;
   int gbase = 0;  // pairs of this block's earlier items: the mbarrier phases run on across items
@@ -359,12 +362,12 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       uint64_t* mbp = mbar(jp, bar);
       if (t == 0) {
         wg::mbar_arrive_expect_tx(mbp, (bhi - blo) * T::kBlockBytes +
-                                           (with8 ? (kPH ? 2 * p.rows * 128 : T::kBlockBytes) : 0));
+                                           (with8 ? T::kBlockBytes : 0));
         unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
         if constexpr (kPH) {
           if (with8)
             for (int kk = 0; kk < 2; ++kk)
-              wg::tma_load_3d(dst + kNB * T::kBlockBytes + kk * p.rows * 128, &maps.sc, key0 + 32 * kk, 0, b, mbp);
+              wg::tma_load_3d(dst + kNB * T::kBlockBytes + kk * 32 * 128, &maps.sc, key0 + 32 * kk, row_base, b, mbp);
         } else if (with8 && p.kpe != nullptr) {
           wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp);
         }
@@ -409,10 +412,13 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
     if (kPH && with8) {  // the score tile (within the workspace: its rows reach the key tiles)
       unsigned char* sb = kbuf(jp) + h * T::kMatBytes + kNB * T::kBlockBytes;
-      for (int idx = t; idx < 16 * p.rows; idx += 128) {
-        const int kk = idx / (8 * p.rows), r = (idx / 8) % p.rows, c = idx % 8;
-        const float* src = p.rope_scores + (static_cast<int64_t>(b) * p.rows + r) * p.rs_stride + key0 + 32 * kk + 4 * c;
-        copy16_async(sb + kk * p.rows * 128 + r * 128 + ((c ^ (r & 7)) << 4), src, true);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // 2 x 32 rows x 8 chunks of 16 bytes over 128 threads
+        const int idx = t + 128 * i, kk = idx / 256, r = (idx / 8) % 32, c = idx % 8;
+        const bool valid = row_base + r < p.rows;  // (rows past the last: zeros)
+        const float* src = p.rope_scores + (static_cast<int64_t>(b) * p.rows + row_base + r) * p.rs_stride + key0 +
+                           32 * kk + 4 * c;
+        copy16_async(sb + kk * 32 * 128 + r * 128 + ((c ^ (r & 7)) << 4), valid ? src : p.rope_scores, valid);
       }
     }
     wg::cp_async_arrive(mbar(jp, bar));
@@ -520,19 +526,19 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
   };
 
-  // Per-head rope keys: S += this half's score tile (rows < p.rows; the
-  // others are padding rows, never written out). Swizzled as the boxes land.
+  // Per-head rope keys: S += this half's score tile (the item's 32 rows; the
+  // wgmma's rows 32-63 are never written out). Swizzled as the boxes land.
   auto add_scores = [&](float(&sacc)[32], int jp) {
     if constexpr (kPH) {
       const unsigned char* sb = p_mine(jp);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = hh ? r1 : r0;
-        if (r < p.rows) {
+        if (r < kRB) {
 #pragma unroll
           for (int k = 0; k < 8; ++k) {  // columns 8k + 2 t4, + 1
             const int c = 8 * k + 2 * t4, cc = c & 31;
-            const float2 v = *reinterpret_cast<const float2*>(sb + (c >> 5) * p.rows * 128 + r * 128 +
+            const float2 v = *reinterpret_cast<const float2*>(sb + (c >> 5) * 32 * 128 + r * 128 +
                                                                (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4);
             sacc[4 * k + 2 * hh] += v.x;
             sacc[4 * k + 2 * hh + 1] += v.y;
@@ -547,7 +553,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   b = pt.b;
   L = pt.L;
   npairs = pt.tile_end - pt.tile_begin;
-  row_base = (item % hblocks) * T::kM;
+  row_base = (item % hblocks) * kRB;
 
   // ---- Q (by TMA: issued here or prefetched during the previous item's last
   // pair; else all threads by cp.async, the previous item's S products done), then pair 0
@@ -558,7 +564,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = qr + 32 * h;
-      const bool valid = row_base + r < p.rows;
+      const bool valid = r < kRB && row_base + r < p.rows;
       const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + qc * 8 : p.q;
 #pragma unroll
       for (int i = 0; i < T::kBlocks; ++i) {
@@ -653,7 +659,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::named_sync(kBarM1, 256);
       // last pair: both warpgroups' S products are done, Q is free -> the next item's
       if (kDv == 512 && !more && t == 0 && maps.use_q && next_b >= 0) {
-        issue_q(next_b, (next_item % hblocks) * T::kM);
+        issue_q(next_b, (next_item % hblocks) * kRB);
         q_pref = true;
       }
       const float f0 = s_m[r0], f1 = s_m[r1];
@@ -758,7 +764,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const int r = row_base + (h ? r1 : r0);
       const float l = h ? l1 : l0, m = h ? m_b : m_a;
       const float v = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
-      if (r < p.rows) {
+      if ((h ? r1 : r0) < kRB && r < p.rows) {
         if (fin)
           p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] = v;
         else
@@ -787,7 +793,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   }
   wg::fence_proxy_async();  // the stores above -> the bulk copies (async proxy)
   sync_threads();
-  if (tid < T::kM && row_base + tid < p.rows) {
+  if (tid < kRB && row_base + tid < p.rows) {
     const int64_t r = row_base + tid;
     void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv)
                     : static_cast<void*>(p.o_part + (prow + r) * T::kDv);
@@ -806,17 +812,12 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
 #endif
 }
 
-// Per-head rope keys on the Hopper kernel: dv 512 (MHA2MLA's conversions
-// keep DeepSeek's latent width) and at most 32 query rows (the score tile of
-// a half fits the rope block).
-constexpr int kPerHeadDv = 512, kPerHeadRows = 32;
-
 template <int kDv, bool kPH>
 const char* kernel_info_as(AttnKernelInfo* info) {
   using T = PairTile<kDv>;
   if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv, kPH>, T::kSmem)) return e;
   if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv, kPH>, T::kSmem)) return e;
-  info->rows_per_block = T::kM;
+  info->rows_per_block = kPH ? 32 : T::kM;
   info->tile = T::kTileKeys;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
@@ -829,16 +830,8 @@ const char* kernel_info_as(AttnKernelInfo* info) {
 }
 
 template <int kDv>
-const char* kernel_info(AttnKernelInfo* info) {
-  if constexpr (kDv == kPerHeadDv) {
-    AttnKernelInfo ph{};
-    if (const char* e = kernel_info_as<kDv, true>(&ph)) return e;
-    if (const char* e = kernel_info_as<kDv, false>(info)) return e;
-    info->blocks_per_sm = ph.blocks_per_sm < info->blocks_per_sm ? ph.blocks_per_sm : info->blocks_per_sm;
-    return nullptr;
-  } else {
-    return kernel_info_as<kDv, false>(info);
-  }
+const char* kernel_info(bool per_head, AttnKernelInfo* info) {
+  return per_head ? kernel_info_as<kDv, true>(info) : kernel_info_as<kDv, false>(info);
 }
 
 // An environment switch set to "0" (read once by each caller).
@@ -879,18 +872,19 @@ bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// rope_scores [bs][rows][rs_stride] fp32 as TMA boxes of 32 keys x rows
-// (128 bytes wide, 128-byte swizzle). False if TMA cannot describe it.
+// rope_scores [bs][rows][rs_stride] fp32 as TMA boxes of 32 keys x 32 rows
+// (128 bytes wide, 128-byte swizzle; rows past the last read as zeros). False
+// if TMA cannot describe it (then every score tile loads by cp.async).
 bool encode_scores(CUtensorMap* map, const AttnParams& p) {
   const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
   if (enc == nullptr || reinterpret_cast<uintptr_t>(p.rope_scores) % 16 != 0 || (p.rs_stride * 4) % 16 != 0 ||
-      p.rows < 8 || p.rows > kPerHeadRows || p.rows % 8 != 0)
+      p.rows < 32)
     return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.rs_stride), static_cast<cuuint64_t>(p.rows),
                               static_cast<cuuint64_t>(p.bs)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.rs_stride * 4),
                                  static_cast<cuuint64_t>(p.rs_stride * 4 * p.rows)};
-  const cuuint32_t box[3] = {32, static_cast<cuuint32_t>(p.rows), 1}, elem[3] = {1, 1, 1};
+  const cuuint32_t box[3] = {32, 32, 1}, elem[3] = {1, 1, 1};
   return enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(p.rope_scores), dims, strides, box, elem,
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
@@ -932,7 +926,8 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
   static const bool persist = !env_off("MLA_DECODE_PERSIST");
   AttnParams p = p_in;
   if (!persist) p.ctas = 0;
-  const int64_t items = static_cast<int64_t>(p.max_parts) * ((p.rows + T::kM - 1) / T::kM);
+  constexpr int kRB = kPH ? 32 : T::kM;
+  const int64_t items = static_cast<int64_t>(p.max_parts) * ((p.rows + kRB - 1) / kRB);
   const int64_t blocks = p.ctas > 0 ? std::min<int64_t>(p.ctas, items) : items;
   if (blocks <= 0 || blocks > 0x7fffffff) return "launch_attention_sm90: bad number of work items";
   const TmaMaps maps = make_maps(p);
@@ -956,8 +951,8 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
 }
 
 constexpr const char* kSm90Shapes =
-    "the Hopper kernel takes dv 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads, or dv 512 with "
-    "per-head rope keys (their scores precomputed) for at most 32 query rows (s_q * h_q)";
+    "the Hopper kernel takes dv 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads, or with per-head "
+    "rope keys (their scores precomputed)";
 
 }  // namespace
 
@@ -970,22 +965,26 @@ bool sm90_shape_supported(int dv, int rope) {
   return (dv == 128 || dv == 256 || dv == 512) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
 }
 
-bool sm90_per_head_supported(int dv, int64_t rows) { return dv == kPerHeadDv && rows >= 1 && rows <= kPerHeadRows; }
+bool sm90_per_head_supported(int dv) { return dv == 128 || dv == 256 || dv == 512; }
 
-const char* attn_kernel_info_sm90(int dv, AttnKernelInfo* info) {
+const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
   switch (dv) {
-    case 128: return kernel_info<128>(info);
-    case 256: return kernel_info<256>(info);
-    case 512: return kernel_info<512>(info);
+    case 128: return kernel_info<128>(per_head, info);
+    case 256: return kernel_info<256>(per_head, info);
+    case 512: return kernel_info<512>(per_head, info);
     default: return kSm90Shapes;
   }
 }
 
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   if (p.rope_scores != nullptr) {
-    if (!sm90_per_head_supported(p.dv, p.rows) || p.rope != 0 || p.rope_cs != nullptr || p.kpe != nullptr)
-      return kSm90Shapes;
-    return launch<kPerHeadDv, true>(p, stream);
+    if (p.rope != 0 || p.rope_cs != nullptr || p.kpe != nullptr) return kSm90Shapes;
+    switch (p.dv) {
+      case 128: return launch<128, true>(p, stream);
+      case 256: return launch<256, true>(p, stream);
+      case 512: return launch<512, true>(p, stream);
+      default: return kSm90Shapes;
+    }
   }
   if (!sm90_shape_supported(p.dv, p.rope)) return kSm90Shapes;
   if (p.rope_cs != nullptr && p.rope != 64) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
@@ -1002,8 +1001,8 @@ const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
 
 bool sm90_pdl_enabled() { return false; }
 bool sm90_shape_supported(int, int) { return false; }
-bool sm90_per_head_supported(int, int64_t) { return false; }
-const char* attn_kernel_info_sm90(int, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
+bool sm90_per_head_supported(int) { return false; }
+const char* attn_kernel_info_sm90(int, bool, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
 const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
 
 #endif
