@@ -42,8 +42,10 @@
 // NB are read from memory, for Q and for the keys; the rest of the block is
 // zero-filled, so the scores are exact and the memory traffic is the real
 // width's (the S product still spans 64 columns there). On-the-fly RoPE takes
-// rope 64 only. dv 64 (one latent block, no even split) and per-head rope
-// keys run on the portable kernel.
+// rope 64 only. dv 64 (one latent block: no even split between the
+// warpgroups) runs on the dv 128 instance with latent block 1 zero in shared
+// memory and never loaded (the traffic is dv 64's, the matrix work dv 128's).
+// Per-head rope keys (kPH): see the kernel.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -282,6 +284,22 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     wg::mbar_init(qbar, 1);
     wg::fence_proxy_async();  // the initialised barriers -> the TMA unit (thread 0 may issue Q before the first barrier)
   }
+  // Latent column blocks read from memory: kNB, or 1 for dv 64, which runs
+  // on the dv 128 instance with latent block 1 of Q and of every key buffer
+  // zero (set once here, never loaded): the scores and warpgroup 0's
+  // columns are exact, warpgroup 1's columns are zeros and never written
+  // out, and the memory read is dv 64's.
+  // (The epilogue stages O in the key buffers, so it zeroes them again.)
+  const int dvm = kDv == 128 ? p.dv : kDv;  // value width in memory (compile-time but for the dv 128 instance)
+  const int nlat = dvm / 64;
+  auto zero_dead_blocks = [&] {
+    for (int i = tid; i < (1 + 2 * kStages) * T::kBlockBytes / 16; i += T::kThreads) {
+      const int buf = i / (T::kBlockBytes / 16), off = i % (T::kBlockBytes / 16);
+      *reinterpret_cast<uint4*>(q_s + buf * T::kMatBytes + nlat * T::kBlockBytes + off * 16) = make_uint4(0, 0, 0, 0);
+    }
+    wg::fence_proxy_async();  // (before the next wgmma; the prologue's barrier orders it for every thread)
+  };
+  if (nlat < kNB) zero_dead_blocks();
   pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
 
   // Work items: item w = (part w / hblocks, head block w % hblocks). A block
@@ -300,8 +318,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // Q of rows [rb, rb + 64) of sequence qb by TMA (thread 0 of warpgroup 0),
   // completing qbar's next phase
   auto issue_q = [&](int qb, int rb) {
-    wg::mbar_arrive_expect_tx(qbar, T::kBlocks * T::kBlockBytes);
-    for (int i = 0; i < T::kBlocks; ++i) wg::tma_load_3d(q_s + i * T::kBlockBytes, &maps.q, 64 * i, rb, qb, qbar);
+    wg::mbar_arrive_expect_tx(qbar, (nlat + 1) * T::kBlockBytes);
+    for (int i = 0; i < nlat; ++i) wg::tma_load_3d(q_s + i * T::kBlockBytes, &maps.q, 64 * i, rb, qb, qbar);
+    wg::tma_load_3d(q_s + kNB * T::kBlockBytes, &maps.q, dvm, rb, qb, qbar);  // the rope block
   };
   int nitem = 0;        // work items this block has started (Q's mbarrier parity)
   bool q_ready = false;  // the current item's Q was issued during the previous item
@@ -361,8 +380,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     if (maps.use && key0 + T::kHalf <= L) {
       uint64_t* mbp = mbar(jp, bar);
       if (t == 0) {
-        wg::mbar_arrive_expect_tx(mbp, (bhi - blo) * T::kBlockBytes +
-                                           (with8 ? T::kBlockBytes : 0));
+        const int bend = min(bhi, nlat);  // (dv 64 on the dv 128 kernel: latent block 1 stays zero)
+        wg::mbar_arrive_expect_tx(mbp, max(bend - blo, 0) * T::kBlockBytes + (with8 ? T::kBlockBytes : 0));
         unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
         if constexpr (kPH) {
           if (with8)
@@ -379,9 +398,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
             row = k % p.page_size;
           }
           unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
-          for (int bk = blo; bk < bhi; ++bk) wg::tma_load_3d(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp);
+          for (int bk = blo; bk < bend; ++bk) wg::tma_load_3d(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp);
           if (!kPH && with8 && p.kpe == nullptr)
-            wg::tma_load_3d(d + kNB * T::kBlockBytes, &maps.kv, 64 * kNB, row, page, mbp);
+            wg::tma_load_3d(d + kNB * T::kBlockBytes, &maps.kv, dvm, row, page, mbp);
         }
       } else {
         wg::mbar_arrive(mbp);
@@ -401,10 +420,11 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const bool valid = srcs[i] != nullptr;  // (the cache may hold NaN past the length)
       const bf16_t* src = valid ? srcs[i] : p.kv;
       unsigned char* d = dst + i * 16 * 128;
-      for (int bk = blo; bk < bhi; ++bk) copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
+      for (int bk = blo; bk < min(bhi, nlat); ++bk)
+        copy16_async(d + bk * T::kBlockBytes, valid ? src + bk * 64 : src, valid);
       if (!kPH && with8) {  // the rope block: from the cache, or from the separate (rotated) k_pe rows
         const bool in_rope = valid && lc < rope_chunks;  // (columns past the rope width: zeros)
-        const bf16_t* src8 = p.kpe == nullptr ? src + kNB * 64
+        const bf16_t* src8 = p.kpe == nullptr ? src + dvm
                                               : p.kpe + b * p.kpe_batch_stride +
                                                     static_cast<int64_t>(key_base + 16 * i) * p.kpe_row_stride + lc * 8;
         copy16_async(d + kNB * T::kBlockBytes, in_rope ? src8 : p.kv, in_rope);
@@ -568,8 +588,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + qc * 8 : p.q;
 #pragma unroll
       for (int i = 0; i < T::kBlocks; ++i) {
-        const bool v = valid && (i < T::kBlocks - 1 || qc < rope_chunks);
-        copy16_async(q_s + i * T::kBlockBytes + r * 128 + ((qc ^ (r & 7)) << 4), v ? src + i * 64 : p.q, v);
+        const bool rope_blk = i == T::kBlocks - 1;
+        const bool v = valid && (rope_blk ? qc < rope_chunks : i < nlat);  // (dv 64: block 1 zero)
+        copy16_async(q_s + i * T::kBlockBytes + r * 128 + ((qc ^ (r & 7)) << 4),
+                     v ? src + (rope_blk ? dvm : i * 64) : p.q, v);
       }
     }
     copy_commit();
@@ -795,11 +817,15 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   sync_threads();
   if (tid < kRB && row_base + tid < p.rows) {
     const int64_t r = row_base + tid;
-    void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv)
-                    : static_cast<void*>(p.o_part + (prow + r) * T::kDv);
-    wg::bulk_store(dst, k_s + tid * orow_bytes, T::kDv * elt);
+    void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * dvm)
+                    : static_cast<void*>(p.o_part + (prow + r) * dvm);
+    wg::bulk_store(dst, k_s + tid * orow_bytes, dvm * elt);  // (dv 64 on the dv 128 kernel: warpgroup 0's columns)
     wg::bulk_commit();
     wg::bulk_wait_read();  // before the next item's loads overwrite the key buffers (its prologue syncs)
+  }
+  if (nlat < kNB) {  // the staged output covered the dead latent blocks
+    sync_threads();   // (the bulk copies have read it)
+    zero_dead_blocks();
   }
   gbase += npairs;
   ++nitem;
@@ -951,8 +977,8 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
 }
 
 constexpr const char* kSm90Shapes =
-    "the Hopper kernel takes dv 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads, or with per-head "
-    "rope keys (their scores precomputed)";
+    "the Hopper kernel takes dv 64, 128, 256 or 512 with rope 8, 16, 32 or 64 shared by all heads, or with "
+    "per-head rope keys (their scores precomputed)";
 
 }  // namespace
 
@@ -962,13 +988,14 @@ bool sm90_pdl_enabled() {
 }
 
 bool sm90_shape_supported(int dv, int rope) {
-  return (dv == 128 || dv == 256 || dv == 512) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
+  return (dv == 64 || dv == 128 || dv == 256 || dv == 512) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
 }
 
-bool sm90_per_head_supported(int dv) { return dv == 128 || dv == 256 || dv == 512; }
+bool sm90_per_head_supported(int dv) { return dv == 64 || dv == 128 || dv == 256 || dv == 512; }
 
 const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
   switch (dv) {
+    case 64:  // on the dv 128 instance (see the kernel)
     case 128: return kernel_info<128>(per_head, info);
     case 256: return kernel_info<256>(per_head, info);
     case 512: return kernel_info<512>(per_head, info);
@@ -980,6 +1007,7 @@ const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   if (p.rope_scores != nullptr) {
     if (p.rope != 0 || p.rope_cs != nullptr || p.kpe != nullptr) return kSm90Shapes;
     switch (p.dv) {
+      case 64:
       case 128: return launch<128, true>(p, stream);
       case 256: return launch<256, true>(p, stream);
       case 512: return launch<512, true>(p, stream);
@@ -990,6 +1018,7 @@ const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   if (p.rope_cs != nullptr && p.rope != 64) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
   switch (p.dv) {
+    case 64:
     case 128: return launch<128, false>(p, stream);
     case 256: return launch<256, false>(p, stream);
     case 512: return launch<512, false>(p, stream);
