@@ -9,8 +9,8 @@ export MAX_JOBS=16 PYTHONUNBUFFERED=1
 t0=$(date +%s)
 bash run.sh test -x ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test.log" | tail -25
 echo "build+tests: $(( $(date +%s) - t0 )) s"
-echo "== attention tests again on the portable kernel"
-PYTHONSAFEPATH=1 MLA_DECODE_ATTN_KERNEL=portable python3 -m pytest -q -x tests/test_gpu_attention.py 2>&1 | tail -2
+echo "== attention/serving/flexible tests again on the portable kernel (the AMD build's kernel)"
+PYTHONSAFEPATH=1 MLA_DECODE_ATTN_KERNEL=portable python3 -m pytest -q -x tests/test_gpu_attention.py tests/test_gpu_serving.py tests/test_gpu_flexible.py 2>&1 | tail -2
 echo "== attention/serving/flexible tests again with the Hopper kernel's TMA loads off (cp.async only)"
 PYTHONSAFEPATH=1 MLA_DECODE_TMA=0 python3 -m pytest -q -x tests/test_gpu_attention.py tests/test_gpu_serving.py tests/test_gpu_flexible.py 2>&1 | tail -2
 so=$(PYTHONSAFEPATH=1 python3 -c "import mla_decode._C as c; print(c.__file__)")
