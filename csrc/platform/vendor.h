@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <utility>
 
 #if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
 #define MLA_AMD 1
@@ -65,6 +67,51 @@ inline const char* set_max_dynamic_smem(Kernel kernel, int bytes) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 #endif
+}
+
+#if MLA_NVIDIA
+// Launch `kernel` (NVIDIA) with cudaLaunchKernelEx: as a programmatic
+// dependent of the previous kernel in the stream when `pdl` (the kernel
+// then calls pdl_wait before reading what that kernel wrote), in clusters
+// of `cluster_x` blocks along x when > 1 (grid.x a multiple of it). Error
+// string or nullptr; a failed launch leaves no sticky error behind.
+template <typename... KArgs, typename... Args>
+inline const char* launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, stream_t stream, bool pdl,
+                             int cluster_x, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = static_cast<unsigned>(cluster_x);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaGetErrorString(e);
+  }
+  return last_launch_error();
+}
+#endif
+
+// An environment switch set to "0" (host side; callers read it once).
+inline bool env_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && e[0] == '0' && e[1] == '\0';
 }
 
 #if defined(__CUDACC__) || defined(__HIP__)  // device code: kernel sources only

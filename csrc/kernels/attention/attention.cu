@@ -634,23 +634,7 @@ const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream) {
 template <int kDv, bool kF16>
 const char* launch_combine_as(dim3 grid, const CombineParams& p, stream_t stream) {
 #if MLA_NVIDIA
-  if (p.pdl) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kCombineWarps * kWarpSize);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, combine_kernel<kDv, kF16>, p);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return cudaGetErrorString(e);
-    }
-    return nullptr;
-  }
+  if (p.pdl) return launch_ex(combine_kernel<kDv, kF16>, grid, dim3(kCombineWarps * kWarpSize), 0, stream, true, 1, p);
 #endif
   combine_kernel<kDv, kF16><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
   return nullptr;

@@ -54,6 +54,7 @@
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
 #include "../../platform/vendor.h"
+#include "../../platform/tma_sm90.h"
 #include "../../platform/wgmma_sm90.h"
 #include "attention.h"
 #include "part.h"
@@ -61,9 +62,6 @@
 namespace mla {
 
 #if MLA_NVIDIA
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 namespace {
 
 // TMA descriptors of the key rows (a __grid_constant__ kernel argument):
@@ -860,44 +858,6 @@ const char* kernel_info(bool per_head, AttnKernelInfo* info) {
   return per_head ? kernel_info_as<kDv, true>(info) : kernel_info_as<kDv, false>(info);
 }
 
-// An environment switch set to "0" (read once by each caller).
-bool env_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && std::string(e) == "0";
-}
-
-// cuTensorMapEncodeTiled from the driver (through the runtime: no -lcuda),
-// looked up once; nullptr if the driver does not have it.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      f = nullptr;
-    (void)cudaGetLastError();
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// A [d2][d1][d0] tensor of 16-bit elements (strides in elements), boxes of
-// 64 x box_rows x 1, 128-byte swizzle; box elements past d0 (or d1) read as
-// zeros. False if TMA cannot describe it.
-bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1, int64_t s2,
-                 int box_rows) {
-  const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
-  if (enc == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (s1 * 2) % 16 != 0 || (s2 * 2) % 16 != 0 ||
-      d0 < 1 || d1 < box_rows || d2 < 1)
-    return false;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d0), static_cast<cuuint64_t>(d1), static_cast<cuuint64_t>(d2)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(s1 * 2), static_cast<cuuint64_t>(s2 * 2)};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1}, elem[3] = {1, 1, 1};
-  return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 // rope_scores [bs][rows][rs_stride] fp32 as TMA boxes of 32 keys x 32 rows
 // (128 bytes wide, 128-byte swizzle; rows past the last read as zeros). False
 // if TMA cannot describe it (then every score tile loads by cp.async).
@@ -957,23 +917,10 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
   const int64_t blocks = p.ctas > 0 ? std::min<int64_t>(p.ctas, items) : items;
   if (blocks <= 0 || blocks > 0x7fffffff) return "launch_attention_sm90: bad number of work items";
   const TmaMaps maps = make_maps(p);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(T::kThreads);
-  cfg.dynamicSmemBytes = T::kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = sm90_pdl_enabled() ? 1 : 0;
-  const cudaError_t e = p.f16 ? cudaLaunchKernelEx(&cfg, attention_sm90_kernel<true, kDv, kPH>, p, maps)
-                              : cudaLaunchKernelEx(&cfg, attention_sm90_kernel<false, kDv, kPH>, p, maps);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return cudaGetErrorString(e);
-  }
-  return last_launch_error();
+  const dim3 grid(static_cast<unsigned>(blocks));
+  const bool pdl = sm90_pdl_enabled();
+  return p.f16 ? launch_ex(attention_sm90_kernel<true, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, 1, p, maps)
+               : launch_ex(attention_sm90_kernel<false, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, 1, p, maps);
 }
 
 constexpr const char* kSm90Shapes =
