@@ -10,8 +10,11 @@ events, median): the weights stream from memory as in a full step. GB/s is
 over the weight bytes the stage must read; % is of the device's measured
 copy bandwidth (a device-to-device copy, bytes read + written). Also shown:
 the down stage as one GEMM against a concatenated copy of its weights (what
-a single fused launch could approach; the step does not copy weights), and
-the wo GEMM alone. Asserts nothing.
+a single product over both weights could approach; the step does not copy
+weights), and the wo GEMM alone. Every stage is timed twice, side by side:
+on the vendor BLAS (the step's default) and, where it runs (a Hopper build
+on a Hopper GPU), on our Hopper skinny GEMM (MLA_DECODE_GEMM=sm90; the W_UK
+absorption and the RoPE kernel are the same in both). Asserts nothing.
 """
 
 import argparse
@@ -37,6 +40,7 @@ def stages(bs):
     wkv = config.KV_proj_up_weight.view(H, nope + v, r)
     x2 = x.view(bs, -1)
     w_down = torch.cat([config.Q_proj_down_weight, config.KV_proj_down_weight])
+    down_out = torch.empty(bs, w_down.shape[0], dtype=torch.bfloat16, device="cuda")
     q_lora, kv_new = projections.down(x2, config.Q_proj_down_weight, config.KV_proj_down_weight)
     seqlens = torch.full((bs,), 6, dtype=torch.int32, device="cuda")
     tables = (rope_table(16, rope, "cuda"), None, None)
@@ -53,12 +57,12 @@ def stages(bs):
     return [
         ("down (two GEMMs, weights where they lie)", nb["down"],
          lambda: projections.down(x2, config.Q_proj_down_weight, config.KV_proj_down_weight)),
-        ("down as one GEMM on a concatenated copy", nb["down"], lambda: torch.mm(x2, w_down.t())),
+        ("down as one GEMM on a concatenated copy", nb["down"], lambda: projections.gemm(x2, w_down, down_out)),
         ("query (+ RoPE and cache append kernel)", nb["query"], query),
         ("output", nb["output"], lambda: projections.output(o_lat, wkv[:, nope:].transpose(1, 2),
                                                             config.wo_weight, obuf, y)),
         ("output: wo GEMM alone", 2 * config.wo_weight.numel(),
-         lambda: torch.mm(obuf.view(bs, -1), config.wo_weight.t(), out=y)),
+         lambda: projections.gemm(obuf.view(bs, -1), config.wo_weight, y)),
     ]
 
 
@@ -73,17 +77,31 @@ def main():
         return 1
     copy = copy_bandwidth_gbs()
     print(f"# bench_projections | device: {device_name()} | measured copy bandwidth {copy:.0f} GB/s "
-          "(read + write) | vendor BLAS via PyTorch")
-    print(f"{'bs':>4} {'stage':<44} {'weight MB':>9} {'us':>8} {'GB/s':>7} {'% copy BW':>9}")
+          "(read + write)")
+    print(f"{'bs':>4} {'stage':<44} {'GEMM':<7} {'weight MB':>9} {'us':>8} {'GB/s':>7} {'% copy BW':>9}")
     rows = []
+    saved = os.environ.get("MLA_DECODE_GEMM")
     for bs in args.bs:
-        for name, nbytes, fn in stages(bs):
-            us = 1e3 * time_graph_cold(fn, iters=args.iters)
-            gbs = nbytes / us / 1e3
-            rows.append(dict(bs=bs, stage=name, weight_bytes=nbytes, us=us, gbs=gbs, pct_copy=100 * gbs / copy))
-            print(f"{bs:>4} {name:<44} {nbytes / 1e6:>9.1f} {us:>8.1f} {gbs:>7.0f} {100 * gbs / copy:>9.1f}",
-                  flush=True)
-        torch.cuda.empty_cache()
+        for mode in ("vendor", "sm90"):
+            os.environ["MLA_DECODE_GEMM"] = mode
+            x = torch.zeros(bs, 16, dtype=torch.bfloat16, device="cuda")
+            path = projections.gemm_path(x, torch.zeros(64, 16, dtype=torch.bfloat16, device="cuda"))
+            gemm = "vendor" if path.startswith("vendor") else path
+            if mode == "sm90" and gemm == "vendor":
+                print(f"# the Hopper skinny GEMM does not run here ({path})")
+                continue
+            for name, nbytes, fn in stages(bs):
+                us = 1e3 * time_graph_cold(fn, iters=args.iters)
+                gbs = nbytes / us / 1e3
+                rows.append(dict(bs=bs, stage=name, gemm=gemm, weight_bytes=nbytes, us=us, gbs=gbs,
+                                 pct_copy=100 * gbs / copy))
+                print(f"{bs:>4} {name:<44} {gemm:<7} {nbytes / 1e6:>9.1f} {us:>8.1f} {gbs:>7.0f} "
+                      f"{100 * gbs / copy:>9.1f}", flush=True)
+            torch.cuda.empty_cache()
+    if saved is None:
+        os.environ.pop("MLA_DECODE_GEMM", None)
+    else:
+        os.environ["MLA_DECODE_GEMM"] = saved
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device_name(), copy_gbs=copy, rows=rows), f, indent=1)

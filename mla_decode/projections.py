@@ -1,12 +1,18 @@
 """The projection stages of a decode step (pipeline steps 1-3 and 6 of the
 README), on the task's weights as the caller passes them.
 
-The matrix products are the vendor BLAS through PyTorch (cuBLAS on NVIDIA,
-hipBLASLt/rocBLAS on AMD); ``benchmarks/bench_projections.py`` measures each
-stage. What this module adds is the layout: every product writes where the
-next stage reads, so nothing is copied between stages:
+The products run on the vendor BLAS through PyTorch (cuBLAS; hipBLASLt or
+rocBLAS on AMD). Our Hopper skinny GEMM (torch.ops.mla_decode.gemm_nt:
+wgmma + TMA, split-K in a thread-block cluster) takes the products that
+stream a weight when MLA_DECODE_GEMM=sm90 on a Hopper build on a Hopper GPU;
+measured side by side it is not faster than cuBLAS at the task's shapes
+(README), so it is not the default. ``gemm_path`` says which runs and why.
+``benchmarks/bench_projections.py`` measures each stage both ways. Every
+product writes where the next stage reads, so nothing is copied between
+stages:
 
-- ``down``: q_lora = x W_qd^T and the new latent row x W_kvd^T.
+- ``down``: q_lora = x W_qd^T and the new latent row x W_kvd^T, the weights
+  where they lie.
 - ``query``: q = q_lora W_qu^T; q_nope absorbed through W_UK straight into
   the attention's query buffer ``qbuf`` [H, bs, r + rope] (columns 0..r-1).
   Returns q_pe (un-rotated).
@@ -26,20 +32,81 @@ rotate-half in bf16, each product and the sum rounded.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from . import _ext
 from .reference import rope_rotate
 
-__all__ = ["down", "query", "rope_append", "output", "stage_weight_bytes"]
+__all__ = ["down", "query", "rope_append", "output", "stage_weight_bytes", "gemm", "gemm_path"]
+
+_HOPPER = {}  # device index -> the Hopper kernels run there (a Hopper build on a Hopper GPU)
+
+
+def _hopper(device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _HOPPER:
+        try:
+            _HOPPER[idx] = _ext.module().attention_info(idx)[7] == 1
+        except RuntimeError:
+            _HOPPER[idx] = False
+    return _HOPPER[idx]
+
+
+def _aligned(t) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def gemm_path(x, w, y=None) -> str:
+    """"sm90" when ``gemm`` runs x w^T on our Hopper GEMM, else "vendor: why"."""
+    if os.environ.get("MLA_DECODE_GEMM") != "sm90":
+        return "vendor: the default (set MLA_DECODE_GEMM=sm90 for the Hopper skinny GEMM)"
+    if not _ext.kernels_usable(x.device):
+        return "vendor: " + _ext.backend(x.device)
+    if not _hopper(x.device):
+        return "vendor: the skinny GEMM is Hopper-only (sm_90a build on a compute 9.x GPU)"
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return "vendor: bf16 only"
+    m, n = x.shape[-2], w.shape[-2]
+    if not 1 <= m <= 256:
+        return f"vendor: {m} rows of x (the Hopper GEMM takes 1 to 256)"
+    if n < 64 or n % 8:
+        return f"vendor: {n} output columns (the Hopper GEMM takes multiples of 8, at least 64)"
+    if not all(_aligned(t) for t in (x, w) + ((y,) if y is not None else ())):
+        return "vendor: operands not 16-byte aligned (base and strides)"
+    return "sm90"
+
+
+def gemm(x, w, y, w1=None, y1=None, pdl=True):
+    """y = x w^T (and y1 = x w1^T, the same x read once), bf16, fp32
+    accumulation, into y (and y1) as given. x [m, k] or [batch, m, k], w [n,
+    k] or [batch, n, k] (any row strides, unit last stride). pdl: the Hopper
+    GEMM launches as a programmatic dependent (its weights stream while the
+    previous kernel ends)."""
+    if gemm_path(x, w, y) == "sm90" and (w1 is None or gemm_path(x, w1, y1) == "sm90"):
+        torch.ops.mla_decode.gemm_nt(x, w, y, w1, y1, None, pdl)
+        return
+    for ww, yy in ((w, y), (w1, y1)):
+        if ww is None:
+            continue
+        if x.dim() == 2:
+            torch.mm(x, ww.t(), out=yy)
+        else:
+            torch.bmm(x, ww.transpose(1, 2), out=yy)
 
 
 def down(x2, w_qd, w_kvd):
-    """x2 [bs, dim] -> (q_lora [bs, q_lora], kv_new [bs, r + rope]): two
-    products on the weights where they lie (a concatenated weight would read
-    x once and launch once, 19 vs 27 us at bs=128 on the H200, but costs a
-    30 MB copy per weight set, and the task's ranked mode passes new weight
-    objects on every call)."""
-    return torch.mm(x2, w_qd.t()), torch.mm(x2, w_kvd.t())
+    """x2 [bs, dim] -> (q_lora [bs, q_lora], kv_new [bs, r + rope]): both
+    products on the weights where they lie (no concatenated copy: the task's
+    ranked mode passes new weight objects on every call); one launch on the
+    Hopper GEMM, two on the vendor's. (Measured on the H200: the second
+    vendor product on a forked stream, as a graph branch, saved nothing.)"""
+    bs = x2.shape[0]
+    q_lora = torch.empty(bs, w_qd.shape[0], dtype=x2.dtype, device=x2.device)
+    kv_new = torch.empty(bs, w_kvd.shape[0], dtype=x2.dtype, device=x2.device)
+    gemm(x2, w_qd, q_lora, w_kvd, kv_new)
+    return q_lora, kv_new
 
 
 def query(q_lora, w_qu, w_uk, qbuf):
@@ -48,7 +115,9 @@ def query(q_lora, w_qu, w_uk, qbuf):
     Returns q_pe [bs, H, rope] (un-rotated, a view of the up-projection)."""
     H, nope, r = w_uk.shape
     bs = q_lora.shape[0]
-    q = torch.mm(q_lora, w_qu.t()).view(bs, H, -1)
+    q = torch.empty(bs, w_qu.shape[0], dtype=q_lora.dtype, device=q_lora.device)
+    gemm(q_lora, w_qu, q)
+    q = q.view(bs, H, -1)
     torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk, out=qbuf[:, :, :r])
     return q[:, :, nope:]
 
@@ -80,9 +149,10 @@ def output(o_lat, w_uv_t, w_o, obuf, y):
     """o_lat [bs, H, r] (any strides with a unit last one); w_uv_t [H, r, v]
     (a view of W_kv_up); w_o [dim, H*v]; obuf [bs, H, v] and y [bs, dim]
     are written. Returns y."""
-    torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=obuf.transpose(0, 1))
+    gemm(o_lat.transpose(0, 1), w_uv_t.transpose(1, 2), obuf.transpose(0, 1))
     bs, H, v = obuf.shape
-    return torch.mm(obuf.view(bs, H * v), w_o.t(), out=y)
+    gemm(obuf.view(bs, H * v), w_o, y)
+    return y
 
 
 def stage_weight_bytes(dims):

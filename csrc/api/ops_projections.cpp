@@ -1,11 +1,13 @@
-// Torch glue of the projection stages' own kernel (rope_append): checks,
-// launch, registration as torch.ops.mla_decode.rope_append. The products
-// themselves are the vendor BLAS through PyTorch (mla_decode/projections.py).
+// Torch glue of the projection stages' own kernels: rope_append, and the
+// Hopper skinny GEMM (gemm_nt, gemm_nt_config): checks, launch, registration
+// as torch.ops.mla_decode.*. Which product runs on which GEMM is decided in
+// mla_decode/projections.py.
 #include <ATen/cuda/CUDAContext.h>
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../kernels/projections/gemm.h"
 #include "../kernels/projections/rope_append.h"
 #include "checks.h"
 #include "ops.h"
@@ -86,12 +88,119 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
   check_launch(launch_rope_append(p, at::cuda::getCurrentCUDAStream().stream()), "rope_append launch");
 }
 
+
+namespace {
+
+// [m, k] or [batch, m, k] (a 2-D tensor is batch 1) as (batch, rows, cols, row stride, batch stride).
+struct Mat {
+  int64_t batch, rows, cols, rs, bs;
+};
+Mat as_mat(const at::Tensor& t, const char* name) {
+  if (t.dim() != 2 && t.dim() != 3) fail_value(std::string(name) + " must be 2-D or 3-D, got " + shape_str(t));
+  check_last_dim_contiguous(t, name);
+  if (t.dim() == 2) return {1, t.size(0), t.size(1), t.stride(0), 0};
+  return {t.size(0), t.size(1), t.size(2), t.stride(1), t.stride(0)};
+}
+
+GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& y0,
+                       const c10::optional<at::Tensor>& w1, const c10::optional<at::Tensor>& y1,
+                       const c10::optional<at::Tensor>& row_pos1, bool pdl) {
+  if (!x.is_cuda()) fail_value("x must be on a GPU, got " + x.device().str());
+  const at::Device dev = x.device();
+  if (w1.has_value() != y1.has_value()) fail_value("gemm_nt: w1 and y1 go together");
+  if (row_pos1.has_value() && !w1.has_value()) fail_value("gemm_nt: row_pos1 needs w1 and y1");
+  check_dtype(x, "x", at::kBFloat16);
+  const Mat mx = as_mat(x, "x");
+  if (mx.rows < 1 || mx.rows > 256 || mx.cols < 1)
+    fail_value("gemm_nt: x must have 1 to 256 rows and k >= 1, got " + shape_str(x));
+  GemmParams p{};
+  p.x = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  p.x_row_stride = mx.rs;
+  p.x_batch_stride = mx.bs;
+  p.m = static_cast<int>(mx.rows);
+  p.k = static_cast<int>(mx.cols);
+  p.batch = static_cast<int>(mx.batch);
+  p.nseg = w1.has_value() ? 2 : 1;
+  p.pdl = pdl;
+  for (int i = 0; i < p.nseg; ++i) {
+    const at::Tensor& w = i == 0 ? w0 : *w1;
+    const at::Tensor& y = i == 0 ? y0 : *y1;
+    const char* wn = i == 0 ? "w0" : "w1";
+    const char* yn = i == 0 ? "y0" : "y1";
+    check_device(w, wn, dev);
+    check_device(y, yn, dev);
+    check_dtype(w, wn, at::kBFloat16);
+    check_dtype(y, yn, at::kBFloat16);
+    const Mat mw = as_mat(w, wn);
+    if (mw.cols != mx.cols || mw.batch != mx.batch || (w.dim() == 3) != (x.dim() == 3))
+      fail_value(std::string(wn) + " must be [n, k] (or [batch, n, k] with x's batch) with x's k = " + num(mx.cols) +
+                 ", got " + shape_str(w) + " for x " + shape_str(x));
+    GemmSeg& s = p.seg[i];
+    s.w = reinterpret_cast<const bf16_t*>(w.data_ptr());
+    s.w_row_stride = mw.rs;
+    s.w_batch_stride = mw.bs;
+    s.n = static_cast<int>(mw.rows);
+    s.y = reinterpret_cast<bf16_t*>(y.data_ptr());
+    if (i == 1 && row_pos1.has_value()) {
+      const at::Tensor& rp = *row_pos1;
+      check_device(rp, "row_pos1", dev);
+      check_dtype(rp, "row_pos1", at::kInt);
+      check_shape(rp, "row_pos1", {mx.rows}, "[m]");
+      check_contiguous(rp, "row_pos1");
+      if (x.dim() != 2) fail_value("gemm_nt: row_pos1 takes a 2-D x");
+      check_shape(y, yn, {mx.rows, -1, mw.rows}, "[m, positions, n] (with row_pos1)");
+      check_last_dim_contiguous(y, yn);
+      s.y_row_stride = y.stride(0);
+      s.y_pos_stride = y.stride(1);
+      s.row_pos = rp.data_ptr<int32_t>();
+      s.pos_limit = static_cast<int>(std::min<int64_t>(y.size(1), INT32_MAX));
+    } else {
+      const Mat my = as_mat(y, yn);
+      if (my.batch != mx.batch || my.rows != mx.rows || my.cols != mw.rows || y.dim() != x.dim())
+        fail_value(std::string(yn) + " must be [m, n] (or [batch, m, n]) = [" + num(mx.rows) + ", " + num(mw.rows) +
+                   "], got " + shape_str(y));
+      s.y_row_stride = my.rs;
+      s.y_batch_stride = my.bs;
+    }
+  }
+  if (mx.cols > INT32_MAX) fail_value("gemm_nt: k overflows int32");
+  return p;
+}
+
+}  // namespace
+
+void gemm_nt(const at::Tensor& x, const at::Tensor& w0, at::Tensor& y0, const c10::optional<at::Tensor>& w1,
+             c10::optional<at::Tensor> y1, const c10::optional<at::Tensor>& row_pos1, bool pdl) {
+  const GemmParams p = gemm_params(x, w0, y0, w1, y1, row_pos1, pdl);
+  c10::cuda::CUDAGuard guard(x.device());
+  check_launch(launch_gemm_sm90(p, at::cuda::getCurrentCUDAStream().stream()), "gemm_nt launch");
+}
+
+// The launcher's choice for these operands: [bn, bm, splits, stages, blocks, smem, group], or a
+// ValueError naming why the Hopper GEMM does not take them.
+std::vector<int64_t> gemm_nt_config(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& y0,
+                                    const c10::optional<at::Tensor>& w1, const c10::optional<at::Tensor>& y1) {
+  const GemmParams p = gemm_params(x, w0, y0, w1, y1, c10::nullopt, false);
+  c10::cuda::CUDAGuard guard(x.device());
+  GemmConfig c{};
+  if (const char* e = gemm_sm90_config(p, &c)) fail_value(e);
+  return {c.bn, c.bm, c.splits, c.stages, c.blocks, c.smem, c.group};
+}
+
 }  // namespace mla::api
 
 TORCH_LIBRARY_FRAGMENT(mla_decode, m) {
   m.def(
       "rope_append(Tensor q_pe, Tensor kv_new, Tensor seqlens, Tensor rope_cs, Tensor(a!) q_out, "
       "Tensor(b!) cache, Tensor(c!)? kpe_out=None) -> ()");
+  m.def(
+      "gemm_nt(Tensor x, Tensor w0, Tensor(a!) y0, Tensor? w1=None, Tensor(b!)? y1=None, Tensor? row_pos1=None, "
+      "bool pdl=False) -> ()");
+  m.def("gemm_nt_config(Tensor x, Tensor w0, Tensor y0, Tensor? w1=None, Tensor? y1=None) -> int[]");
 }
 
-TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) { m.impl("rope_append", &mla::api::rope_append); }
+TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
+  m.impl("rope_append", &mla::api::rope_append);
+  m.impl("gemm_nt", &mla::api::gemm_nt);
+  m.impl("gemm_nt_config", &mla::api::gemm_nt_config);
+}

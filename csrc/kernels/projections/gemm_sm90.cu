@@ -1,0 +1,430 @@
+// Hopper (sm_90a) skinny GEMM: y[m, n] = sum_k x[m, k] W[n, k], bf16 in and
+// out, fp32 accumulation, M = the batch (<= 256) and W streamed once.
+//
+// The weight is the wgmma's A operand (64 rows of W per m64 instruction) and
+// x its B operand (N = x's rows padded to 64, 128 or 256), both K-major in
+// shared memory as TMA writes them (128-byte swizzle, 64-column boxes; rows
+// past the end of x or W and columns past k arrive as zeros). A block owns
+// kBN = 128 * kMW rows of W: warpgroup g its kMW 64-row slices; one producer
+// warp issues the TMA loads of a `stages`-deep ring (full / empty mbarriers).
+//
+// Split-K: the blocks of one output tile form a thread-block cluster along x,
+// each takes a contiguous share of the k blocks, and at the end every block
+// puts its fp32 tile in its own shared memory; after a cluster barrier, block
+// r sums rows [r * M / S, ...) of all S tiles (in rank order: the result does
+// not depend on which block sums) through distributed shared memory, rounds
+// to bf16 and writes 16-byte pieces of y. No workspace, no second launch.
+//
+// With pdl, the weights of the first `stages` k blocks are requested before
+// griddepcontrol.wait: they do not depend on the previous kernel, x does.
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "../../platform/bf16.h"
+#include "../../platform/tma_sm90.h"
+#include "../../platform/vendor.h"
+#include "../../platform/wgmma_sm90.h"
+#include "gemm.h"
+
+namespace mla {
+
+#if MLA_NVIDIA
+namespace {
+
+struct GemmMaps {
+  CUtensorMap x;     // [batch][m][k], boxes 64 x kBM
+  CUtensorMap w[2];  // per segment [batch][n][k], boxes 64 x kBN
+};
+
+constexpr int kGemmThreads = 288;  // two consumer warpgroups + the producer warp
+constexpr int kMaxSplits = 8;      // portable cluster size
+
+template <int kMW, int kBM>
+struct GemmTile {
+  static constexpr int kBN = 128 * kMW;                   // rows of W per block
+  static constexpr int kWBytes = kBN * 128;               // one 64-column k block of W
+  static constexpr int kXBytes = kBM * 128;               // ... of x
+  static constexpr int kStageBytes = kWBytes + kXBytes;   // a multiple of 1 KB (swizzle atoms)
+  static constexpr int kRedStride = kBN + 4;              // fp32 tile row (one x row): conflict-free stores
+  static constexpr int kRedBytes = kBM * kRedStride * 4;  // the fp32 tile for the cluster reduction
+  static_assert(kMW * kBM <= 256, "accumulators: at most 128 floats per thread");
+  static_assert(kStageBytes % 1024 == 0, "stages on swizzle-atom boundaries");
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+MLA_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// 4 floats at the same shared-memory offset in block `rank` of the cluster.
+// volatile (kept in order with the cluster barriers) but without a memory
+// clobber, so that a run of them issues back to back.
+MLA_DEVICE float4 ld_cluster4(const float* local, int rank) {
+  uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(local)), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(r));
+  return v;
+}
+
+MLA_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+
+// grid: x = split (the cluster), y = tile (segment 0's tiles, then segment 1's), z = batch.
+template <int kMW, int kBM>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_sm90_kernel(const GemmParams p, const __grid_constant__ GemmMaps maps, int stages, int group, int region,
+                     int tiles0) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = GemmTile<kMW, kBM>;
+  constexpr int kBN = T::kBN;
+  extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
+  unsigned char* smem =
+      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + region);
+  uint64_t* empty = full + stages;
+
+  const int tid = thread_x();
+  const int splits = static_cast<int>(gridDim.x), rank = static_cast<int>(blockIdx.x);
+  const int tile = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const bool s1 = tile >= tiles0;
+  const int n0 = (s1 ? tile - tiles0 : tile) * kBN;
+  const int kt = (p.k + 63) / 64;
+  const int kb = static_cast<int>(static_cast<int64_t>(rank) * kt / splits);
+  const int nk = static_cast<int>(static_cast<int64_t>(rank + 1) * kt / splits) - kb;
+
+  if (tid == 256) {  // the producer: fetch the tensor maps while the barriers are set up
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(s1 ? &maps.w[1] : &maps.w[0])) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.x)) : "memory");
+  }
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      wg::mbar_init(&full[s], 1);
+      wg::mbar_init(&empty[s], 2);
+    }
+    wg::fence_proxy_async();
+  }
+  sync_threads();
+
+  if (tid >= 256) {  // the producer warp; one lane issues
+    if (tid == 256) {
+      const CUtensorMap* wm = s1 ? &maps.w[1] : &maps.w[0];
+      const int pro = min(stages, nk);
+      for (int i = 0; i < pro; ++i) {
+        unsigned char* st = smem + i * T::kStageBytes;
+        wg::mbar_arrive_expect_tx(&full[i], T::kStageBytes);
+        wg::tma_load_3d(st, wm, (kb + i) * 64, n0, b, &full[i]);
+      }
+      pdl_wait();  // x is the previous kernel's output
+      for (int i = 0; i < pro; ++i)
+        wg::tma_load_3d(smem + i * T::kStageBytes + T::kWBytes, &maps.x, (kb + i) * 64, 0, b, &full[i]);
+      // steady state: wait until `group` slots are free, then request their k
+      // blocks back to back
+      for (int i = pro; i < nk; i += group) {
+        const int e = min(nk, i + group);
+        for (int j = i; j < e; ++j) wg::mbar_wait(&empty[j % stages], ((j / stages) - 1) & 1);
+        for (int j = i; j < e; ++j) {
+          const int s = j % stages;
+          wg::mbar_arrive_expect_tx(&full[s], T::kStageBytes);
+          wg::tma_load_3d(smem + s * T::kStageBytes, wm, (kb + j) * 64, n0, b, &full[s]);
+        }
+        for (int j = i; j < e; ++j) {
+          const int s = j % stages;
+          wg::tma_load_3d(smem + s * T::kStageBytes + T::kWBytes, &maps.x, (kb + j) * 64, 0, b, &full[s]);
+        }
+      }
+    }
+  }
+
+  float acc[kMW][kBM / 2];
+#pragma unroll
+  for (int w = 0; w < kMW; ++w)
+#pragma unroll
+    for (int j = 0; j < kBM / 2; ++j) acc[w][j] = 0.f;
+  // warpgroup index, warp-uniform for the compiler
+  const int g = __shfl_sync(0xffffffffu, tid / 128, 0);
+  if (tid < 256) {
+    for (int i = 0; i < nk; ++i) {
+      const int s = i % stages;
+      const unsigned char* st = smem + s * T::kStageBytes;
+      wg::mbar_wait(&full[s], (i / stages) & 1);
+      const uint64_t da = wg::desc_sw128(st + g * kMW * 64 * 128, 16, 1024);
+      const uint64_t db = wg::desc_sw128(st + T::kWBytes, 16, 1024);
+      wg::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int w = 0; w < kMW; ++w)
+          wg::wgmma_ss_kk<kBM, false>(acc[w], da + ((w * 64 * 128 + kk * 32) >> 4), db + ((kk * 32) >> 4), 1);
+      wg::commit();
+      wg::wait<1>();  // the previous k block's products are done: its stage is free
+      if (i > 0 && (tid & 127) == 0) wg::mbar_arrive(&empty[(i - 1) % stages]);
+    }
+    wg::wait<0>();
+  }
+  pdl_trigger();
+
+  // every load has landed and been read: the ring becomes the fp32 tile [kBM][kRedStride]
+  sync_threads();
+  float* red = reinterpret_cast<float*>(smem);
+  if (tid < 256) {
+    const int lane = tid & 31, warp = (tid & 127) >> 5;
+#pragma unroll
+    for (int w = 0; w < kMW; ++w) {
+      const int r0 = (g * kMW + w) * 64 + warp * 16 + (lane >> 2);
+#pragma unroll
+      for (int j = 0; j < kBM / 8; ++j) {
+        const int c = 8 * j + 2 * (lane & 3);
+        red[c * T::kRedStride + r0] = acc[w][4 * j];
+        red[(c + 1) * T::kRedStride + r0] = acc[w][4 * j + 1];
+        red[c * T::kRedStride + r0 + 8] = acc[w][4 * j + 2];
+        red[(c + 1) * T::kRedStride + r0 + 8] = acc[w][4 * j + 3];
+      }
+    }
+  }
+  cluster_sync();
+
+  pdl_wait();  // (a no-op by now for the producer's block; y may be read by the previous kernel)
+  const GemmSeg& sg0 = p.seg[0];
+  const GemmSeg& sg1 = p.seg[1];
+  bf16_t* y = s1 ? sg1.y : sg0.y;
+  const int64_t y_rs = s1 ? sg1.y_row_stride : sg0.y_row_stride;
+  const int64_t y_bs = s1 ? sg1.y_batch_stride : sg0.y_batch_stride;
+  const int32_t* row_pos = s1 ? sg1.row_pos : sg0.row_pos;
+  const int64_t y_ps = s1 ? sg1.y_pos_stride : sg0.y_pos_stride;
+  const int pos_limit = s1 ? sg1.pos_limit : sg0.pos_limit;
+  const int n = s1 ? sg1.n : sg0.n;
+  const int rows = (p.m + splits - 1) / splits;
+  const int mb = rank * rows, me = min(p.m, mb + rows);
+  constexpr int kOct = kBN / 8;
+  // one 8-column piece of y per thread and step: all S partial tiles' values
+  // are requested before any is added (the remote reads overlap), then summed
+  // in rank order
+  for (int idx = tid; idx < (me - mb) * kOct; idx += kGemmThreads) {
+    const int m = mb + idx / kOct, c = (idx % kOct) * 8;
+    if (n0 + c >= n) continue;
+    const float* src = red + m * T::kRedStride + c;
+    float4 part[kMaxSplits][2];
+    if (splits == 1) {
+      part[0][0] = *reinterpret_cast<const float4*>(src);
+      part[0][1] = *reinterpret_cast<const float4*>(src + 4);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kMaxSplits; ++q)
+        if (q < splits) {
+          part[q][0] = ld_cluster4(src, q);
+          part[q][1] = ld_cluster4(src + 4, q);
+        }
+    }
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int q = 0; q < kMaxSplits; ++q)
+      if (q < splits) {
+        v[0] += part[q][0].x, v[1] += part[q][0].y, v[2] += part[q][0].z, v[3] += part[q][0].w;
+        v[4] += part[q][1].x, v[5] += part[q][1].y, v[6] += part[q][1].z, v[7] += part[q][1].w;
+      }
+    int64_t off = static_cast<int64_t>(b) * y_bs + static_cast<int64_t>(m) * y_rs + n0 + c;
+    if (row_pos != nullptr) {
+      const int pos = row_pos[m] - 1;
+      if (pos < 0 || pos >= pos_limit) continue;
+      off += static_cast<int64_t>(pos) * y_ps;
+    }
+    uint4 o;
+    o.x = pack_bf16x2(v[0], v[1]);
+    o.y = pack_bf16x2(v[2], v[3]);
+    o.z = pack_bf16x2(v[4], v[5]);
+    o.w = pack_bf16x2(v[6], v[7]);
+    *reinterpret_cast<uint4*>(y + off) = o;
+  }
+  cluster_sync();  // the other blocks' tiles stay alive until every block has read them
+#endif
+}
+
+using KernelFn = void (*)(GemmParams, GemmMaps, int, int, int, int);
+
+struct Choice {
+  KernelFn fn;
+  int mw, bm, stage_bytes, red_bytes;
+};
+
+template <int kMW, int kBM>
+Choice choice() {
+  using T = GemmTile<kMW, kBM>;
+  return {gemm_sm90_kernel<kMW, kBM>, kMW, kBM, T::kStageBytes, T::kRedBytes};
+}
+
+Choice pick_kernel(int mw, int bm) {
+  if (mw == 2 && bm == 64) return choice<2, 64>();
+  if (mw == 2 && bm == 128) return choice<2, 128>();
+  if (mw == 1 && bm == 64) return choice<1, 64>();
+  if (mw == 1 && bm == 128) return choice<1, 128>();
+  if (mw == 1 && bm == 256) return choice<1, 256>();
+  return {nullptr, mw, bm, 0, 0};
+}
+
+// Clusters of `splits` blocks that fit on the device at once (occupancy
+// calculator, cached per device, kernel, cluster size and shared memory).
+int active_clusters(KernelFn fn, int splits, int smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, KernelFn, int, int>, int> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  const auto key = std::make_tuple(dev, fn, splits, smem);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  if (set_max_dynamic_smem(fn, smem) != nullptr) return 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(splits, 1, 1);
+  cfg.blockDim = dim3(kGemmThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, fn, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 0;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = n;
+  return n;
+}
+
+int env_int(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr ? 0 : std::atoi(e);
+}
+
+bool aligned16(const void* ptr, int64_t s1, int64_t s2) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s1 % 8 == 0 && s2 % 8 == 0;
+}
+
+struct Plan {
+  GemmConfig cfg;
+  Choice k;
+  int tiles0;
+};
+
+const char* plan(const GemmParams& p, Plan* out) {
+  if (p.m < 1 || p.m > 256) return "gemm_sm90: x must have 1 to 256 rows";
+  if (p.k < 1 || p.batch < 1 || p.batch > 65535) return "gemm_sm90: k >= 1 and batch in [1, 65535] required";
+  if (p.nseg < 1 || p.nseg > 2) return "gemm_sm90: one or two weights";
+  if (!aligned16(p.x, p.x_row_stride, p.x_batch_stride))
+    return "gemm_sm90: x needs a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
+  bool wide = true;
+  for (int i = 0; i < p.nseg; ++i) {
+    const GemmSeg& s = p.seg[i];
+    if (s.n < 64 || s.n % 8 != 0) return "gemm_sm90: every weight needs a multiple of 8 rows, at least 64";
+    if (!aligned16(s.w, s.w_row_stride, s.w_batch_stride))
+      return "gemm_sm90: weights need a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
+    if (!aligned16(s.y, s.y_row_stride, s.y_batch_stride) || (s.row_pos != nullptr && s.y_pos_stride % 8 != 0))
+      return "gemm_sm90: outputs need a 16-byte aligned base and strides that are multiples of 8 elements";
+    if (s.n < 256) wide = false;
+  }
+  int dev = 0, sms = 0, smem_max = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "gemm_sm90: cannot query the device";
+  }
+  const int bm = p.m <= 64 ? 64 : p.m <= 128 ? 128 : 256;
+  const int kt = (p.k + 63) / 64;
+  // measurement switches (benchmarks; unset in normal use): force the tile
+  // width (MLA_DECODE_GEMM_MW = 1 or 2), the split count and the load group
+  const int force_mw = env_int("MLA_DECODE_GEMM_MW"), force_s = env_int("MLA_DECODE_GEMM_SPLITS");
+  const int force_group = env_int("MLA_DECODE_GEMM_GROUP");
+  double best = -1.0;
+  for (int mw : {2, 1}) {
+    const bool two_ok = bm <= 128 && wide;
+    if (mw == 2 && !two_ok) continue;
+    if (force_mw > 0 && mw != force_mw && (force_mw == 1 || two_ok)) continue;
+    const Choice ch = pick_kernel(mw, bm);
+    if (ch.fn == nullptr) continue;
+    const int sb = ch.stage_bytes, rb = ch.red_bytes;
+    const int stages = std::min(8, (smem_max - 1024 - 16 * 8) / sb);
+    if (stages < 2) continue;
+    const int region = std::max(stages * sb, rb);
+    const int smem = 1024 + region + 2 * stages * 8;
+    if (smem > smem_max) continue;
+    const int bn = 128 * mw;
+    int tiles0 = (p.seg[0].n + bn - 1) / bn, tiles = tiles0;
+    if (p.nseg == 2) tiles += (p.seg[1].n + bn - 1) / bn;
+    const int64_t units = static_cast<int64_t>(tiles) * p.batch;
+    if (units > 65535 * static_cast<int64_t>(p.batch)) return "gemm_sm90: too many tiles";
+    for (int s = 1; s <= std::min(kMaxSplits, kt); ++s) {
+      if (force_s > 0 && s != force_s) continue;
+      if (force_s <= 0 && s > 1 && units * s > 2 * static_cast<int64_t>(sms)) break;
+      const int act = active_clusters(ch.fn, s, smem);
+      if (act < 1) continue;
+      const int64_t waves = (units + act - 1) / act;
+      // the share of SM time that holds a block (one block per SM), less a
+      // little per extra wave; ties go to the narrower tile (measured: deeper
+      // pipeline), then to fewer splits
+      const double score = static_cast<double>(units * s) / static_cast<double>(waves * sms) -
+                           0.05 * static_cast<double>(waves - 1) - (mw == 2 ? 0.01 : 0.0) - 0.001 * s;
+      if (score > best) {
+        best = score;
+        out->k = ch;
+        out->tiles0 = tiles0;
+        // at most stages - 1: the slot being read is released only after the next one is
+        const int group = std::min(stages - 1, force_group > 0 ? force_group : (stages >= 6 ? 2 : 1));
+        out->cfg = GemmConfig{bn, bm, s, stages, static_cast<int>(units * s), smem, group};
+      }
+    }
+  }
+  if (best < 0) return "gemm_sm90: no configuration fits this device's shared memory";
+  return nullptr;
+}
+
+}  // namespace
+
+const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg) {
+  Plan pl{};
+  if (const char* e = plan(p, &pl)) return e;
+  *cfg = pl.cfg;
+  return nullptr;
+}
+
+const char* launch_gemm_sm90(const GemmParams& p, stream_t stream) {
+  Plan pl{};
+  if (const char* e = plan(p, &pl)) return e;
+  const GemmConfig& c = pl.cfg;
+  GemmMaps maps{};
+  if (!encode_rows(&maps.x, p.x, p.k, p.m, p.batch, p.x_row_stride, p.x_batch_stride, c.bm, true))
+    return "gemm_sm90: TMA cannot describe x";
+  for (int i = 0; i < p.nseg; ++i) {
+    const GemmSeg& s = p.seg[i];
+    if (!encode_rows(&maps.w[i], s.w, p.k, s.n, p.batch, s.w_row_stride, s.w_batch_stride, c.bn, true))
+      return "gemm_sm90: TMA cannot describe a weight";
+  }
+  if (const char* e = set_max_dynamic_smem(pl.k.fn, c.smem)) return e;
+  const int tiles = c.blocks / (c.splits * p.batch);
+  const int region = c.smem - 1024 - 2 * c.stages * 8;
+  return launch_ex(pl.k.fn, dim3(c.splits, tiles, p.batch), dim3(kGemmThreads), c.smem, stream, p.pdl, c.splits, p, maps,
+                   c.stages, c.group, region, pl.tiles0);
+}
+
+#else  // AMD: the projections use the vendor BLAS there
+
+const char* gemm_sm90_config(const GemmParams&, GemmConfig*) { return "the sm90 GEMM is NVIDIA-only"; }
+const char* launch_gemm_sm90(const GemmParams&, stream_t) { return "the sm90 GEMM is NVIDIA-only"; }
+
+#endif
+
+}  // namespace mla
