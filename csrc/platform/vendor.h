@@ -73,11 +73,12 @@ inline const char* set_max_dynamic_smem(Kernel kernel, int bytes) {
 // Launch `kernel` (NVIDIA) with cudaLaunchKernelEx: as a programmatic
 // dependent of the previous kernel in the stream when `pdl` (the kernel
 // then calls pdl_wait before reading what that kernel wrote), in clusters
-// of `cluster_x` blocks along x when > 1 (grid.x a multiple of it). Error
-// string or nullptr; a failed launch leaves no sticky error behind.
+// of cluster.x * cluster.y * cluster.z blocks when more than one (the grid a
+// multiple of it). Error string or nullptr; a failed launch leaves no sticky
+// error behind.
 template <typename... KArgs, typename... Args>
 inline const char* launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, stream_t stream, bool pdl,
-                             int cluster_x, Args&&... args) {
+                             dim3 cluster, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -90,11 +91,11 @@ inline const char* launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, si
     attr[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
   }
-  if (cluster_x > 1) {
+  if (cluster.x * cluster.y * cluster.z > 1) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = static_cast<unsigned>(cluster_x);
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = 1;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n].val.clusterDim.z = cluster.z;
     ++n;
   }
   cfg.attrs = attr;

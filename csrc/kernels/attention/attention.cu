@@ -634,7 +634,7 @@ const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream) {
 template <int kDv, bool kF16>
 const char* launch_combine_as(dim3 grid, const CombineParams& p, stream_t stream) {
 #if MLA_NVIDIA
-  if (p.pdl) return launch_ex(combine_kernel<kDv, kF16>, grid, dim3(kCombineWarps * kWarpSize), 0, stream, true, 1, p);
+  if (p.pdl) return launch_ex(combine_kernel<kDv, kF16>, grid, dim3(kCombineWarps * kWarpSize), 0, stream, true, dim3(1), p);
 #endif
   combine_kernel<kDv, kF16><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
   return nullptr;

@@ -919,8 +919,8 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
   const TmaMaps maps = make_maps(p);
   const dim3 grid(static_cast<unsigned>(blocks));
   const bool pdl = sm90_pdl_enabled();
-  return p.f16 ? launch_ex(attention_sm90_kernel<true, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, 1, p, maps)
-               : launch_ex(attention_sm90_kernel<false, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, 1, p, maps);
+  return p.f16 ? launch_ex(attention_sm90_kernel<true, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, dim3(1), p, maps)
+               : launch_ex(attention_sm90_kernel<false, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, dim3(1), p, maps);
 }
 
 constexpr const char* kSm90Shapes =

@@ -416,7 +416,7 @@ const char* launch_gemm_sm90(const GemmParams& p, stream_t stream) {
   if (const char* e = set_max_dynamic_smem(pl.k.fn, c.smem)) return e;
   const int tiles = c.blocks / (c.splits * p.batch);
   const int region = c.smem - 1024 - 2 * c.stages * 8;
-  return launch_ex(pl.k.fn, dim3(c.splits, tiles, p.batch), dim3(kGemmThreads), c.smem, stream, p.pdl, c.splits, p, maps,
+  return launch_ex(pl.k.fn, dim3(c.splits, tiles, p.batch), dim3(kGemmThreads), c.smem, stream, p.pdl, dim3(c.splits, 1, 1), p, maps,
                    c.stages, c.group, region, pl.tiles0);
 }
 
