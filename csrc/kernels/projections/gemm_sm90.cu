@@ -55,8 +55,16 @@ struct GemmTile {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Cluster barrier with release / acquire ordering (shared-memory writes
+// before it are visible to the other blocks' reads after it). ptxas emits a
+// GPU-scope memory barrier for it (MEMBAR.ALL.GPU: it waits for the block's
+// outstanding global stores), so it is not used after the stores.
 MLA_DEVICE void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Cluster barrier without memory ordering: only "every block got here".
+MLA_DEVICE void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
 // 4 floats at the same shared-memory offset in block `rank` of the cluster.
@@ -191,7 +199,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
     }
   }
-  cluster_sync();
+  if (splits > 1)
+    cluster_sync();
+  else
+    sync_threads();
 
   pdl_wait();  // (a no-op by now for the producer's block; y may be read by the previous kernel)
   const GemmSeg& sg0 = p.seg[0];
@@ -245,7 +256,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     o.w = pack_bf16x2(v[6], v[7]);
     *reinterpret_cast<uint4*>(y + off) = o;
   }
-  cluster_sync();  // the other blocks' tiles stay alive until every block has read them
+  // the other blocks' tiles stay alive until every block has read them (the
+  // reads are complete: their values were stored)
+  if (splits > 1) cluster_sync_relaxed();
 #endif
 }
 
