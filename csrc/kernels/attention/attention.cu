@@ -339,10 +339,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
 // ---------------------------------------------------------------- planner
 // One block of p.threads (<= kPlanThreads, a multiple of 64: bs rounded up,
 // so that a small batch pays for few threads in its barriers). Splits every
-// sequence into parts of about `per_part` tiles, with per_part chosen so that
-// all parts together number about target_parts. (It is on the critical path
-// of every call: the attention kernel waits for it.)
+// sequence into parts of about `per_part` tiles: per_part is the candidate
+// (P0 = total / target_parts, 1.25, 1.5 or 2 P0) with the smallest estimated
+// makespan on the target_parts slots (the longest part or the work per slot,
+// whichever is larger), counting a fixed cost per part and one for the
+// combine when a sequence is split. (With P0 alone, 128 sequences of 49
+// tiles on 132 slots were split 25 + 24: 256 parts in two waves, no faster
+// than 128 in one, plus the combine; MLA_DECODE_PLAN_P0=1 restores it for
+// measurements.) The planner is on the critical path of every call:
+// the attention kernel waits for it.
 constexpr int kPlanThreads = 1024;
+constexpr int kPlanCands = 4;
+constexpr float kPartCost = 1.0f;     // per part, in tiles (a work item's fixed cost)
+constexpr float kCombineCost = 1.0f;  // when any sequence is split, in tiles
 
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) {
   __shared__ int scan[kPlanThreads];
@@ -354,15 +363,63 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
     const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
     return L > 0 ? (L + p.tile - 1) / p.tile : 0;
   };
-  // total tiles (an empty sequence counts one: it still gets a part)
-  int mine = 0;
+  // total tiles (an empty sequence counts one: it still gets a part) and the longest sequence
+  __shared__ int warp_max[kPlanThreads / 32];
+  int mine = 0, longest = 0;
   const int nt = p.threads;
-  for (int b = tid; b < p.bs; b += nt) mine += tiles_of(b) > 0 ? tiles_of(b) : 1;
+  for (int b = tid; b < p.bs; b += nt) {
+    const int t = tiles_of(b);
+    mine += t > 0 ? t : 1;
+    longest = max(longest, t);
+  }
+  float wm = static_cast<float>(longest);  // exact: tiles < 2^24
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) wm = fmaxf(wm, shfl_xor(wm, o));
+  if (tid % kWarpSize == 0) warp_max[tid / kWarpSize] = static_cast<int>(wm);
   if (tid == 0) total_s = 0;
   sync_threads();
   if (mine != 0) atomic_add_relaxed(&total_s, mine);
   sync_threads();
-  const int per_part = max(1, (total_s + p.target_parts - 1) / p.target_parts);
+  const int p0 = max(1, (total_s + p.target_parts - 1) / p.target_parts);
+  int per_part = p0;
+  if (!p.p0_only) {
+    __shared__ int cand_parts[kPlanCands];
+    __shared__ int chosen;
+    auto cand = [&](int c) { return c == 3 ? 2 * p0 : p0 + c * p0 / 4; };  // P0, 1.25, 1.5, 2 P0
+    if (tid < kPlanCands) cand_parts[tid] = 0;
+    sync_threads();
+#pragma unroll 1
+    for (int c = 0; c < kPlanCands; ++c) {
+      const int pc = cand(c);
+      int np = 0;
+      for (int b = tid; b < p.bs; b += nt) np += max(1, (tiles_of(b) + pc - 1) / pc);
+      if (np != 0) atomic_add_relaxed(&cand_parts[c], np);
+    }
+    sync_threads();
+    // thread 0 evaluates the estimates for every thread: the longest part (at
+    // most min(P, longest sequence)) or the work per slot, whichever is
+    // larger, each part costing kPartCost more; ties go to fewer parts
+    if (tid == 0) {
+      int tmax = 0;
+      for (int w = 0; w < nt / kWarpSize; ++w) tmax = max(tmax, warp_max[w]);
+      float best = 3.0e38f;
+      int pick = p0;
+#pragma unroll 1
+      for (int c = 0; c < kPlanCands; ++c) {
+        const int np = cand_parts[c];
+        const float per_slot = (static_cast<float>(total_s) + kPartCost * static_cast<float>(np)) /
+                               static_cast<float>(p.target_parts);
+        const float est = fmaxf(static_cast<float>(min(cand(c), tmax)) + kPartCost, per_slot) +
+                          (np > p.bs ? kCombineCost : 0.0f);
+        if (est <= best) {
+          best = est;
+          pick = cand(c);
+        }
+      }
+      chosen = pick;
+    }
+    sync_threads();
+    per_part = chosen;
+  }
 
   // Part order. Blocks are started roughly in part order as SMs free up, so
   // with lengths that differ, longest-first keeps the SMs' totals even (LPT

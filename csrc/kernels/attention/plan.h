@@ -36,6 +36,7 @@ struct PlanParams {
   int s_q;                 // (causal rows never see more than the sequence)
   int max_len;             // cache capacity: lengths are clamped to [0, max_len]
   int threads;             // block size (set by launch_plan)
+  int p0_only;             // 1: per_part = total / target_parts, no candidates (MLA_DECODE_PLAN_P0=1)
 };
 
 }  // namespace mla
