@@ -87,6 +87,24 @@ def test_flexible_shapes(dv, rope, per_head):
         assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()
 
 
+@pytest.mark.parametrize("dv,rope,h_q", [(512, 32, 32), (256, 16, 128), (128, 8, 40)])
+def test_rows_wider_than_the_key(dv, rope, h_q):
+    """Keys in rows padded in memory (row stride 64 elements past dv + rope,
+    so rows start on 128-byte boundaries): the gap columns are NaN and must
+    never be read."""
+    lens = [1, 700, 4097, 129]
+    q, kv, _, seqlens = make_flat(lens, h_q, dv, rope, False, seed=dv + rope)
+    d = dv + rope
+    wide = torch.full((kv.shape[0], kv.shape[1], dv + 64), float("nan"), dtype=kv.dtype, device="cuda")
+    wide[..., :d] = kv
+    view = wide[..., :d]
+    assert view.stride(1) == dv + 64
+    out, lse = poisoned(q, dv)
+    mla_attention(q, view, seqlens, d ** -0.5, out=out, lse=lse, head_dim_v=dv)
+    ro, rl = attention_reference(q, kv, seqlens, d ** -0.5, head_dim_v=dv)
+    check(out, lse, ro, rl, f"strided rows dv={dv} rope={rope} h_q={h_q}")
+
+
 @pytest.mark.parametrize("dv,rope", [(512, 32), (128, 64), (256, 64), (64, 64)])
 def test_flexible_rope_on_the_fly(dv, rope):
     # the task's RoPE applied to the shared rope columns in the kernel, any rope width

@@ -934,11 +934,28 @@ bool sm90_pdl_enabled() {
   return on;
 }
 
+// The one list of value widths: dv 64 runs on the dv 128 instance (see the kernel).
+static bool sm90_dv_supported(int dv) { return dv == 64 || dv == 128 || dv == 256 || dv == 512; }
+
 bool sm90_shape_supported(int dv, int rope) {
-  return (dv == 64 || dv == 128 || dv == 256 || dv == 512) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
+  return sm90_dv_supported(dv) && (rope == 8 || rope == 16 || rope == 32 || rope == 64);
 }
 
-bool sm90_per_head_supported(int dv) { return dv == 64 || dv == 128 || dv == 256 || dv == 512; }
+bool sm90_per_head_supported(int dv) { return sm90_dv_supported(dv); }
+
+namespace {
+// The kernel instance of a supported dv (instance width kDv >= dv).
+template <bool kPH>
+const char* launch_dv(const AttnParams& p, stream_t stream) {
+  switch (p.dv) {
+    case 64:
+    case 128: return launch<128, kPH>(p, stream);
+    case 256: return launch<256, kPH>(p, stream);
+    case 512: return launch<512, kPH>(p, stream);
+    default: return kSm90Shapes;
+  }
+}
+}  // namespace
 
 const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
   switch (dv) {
@@ -953,24 +970,12 @@ const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   if (p.rope_scores != nullptr) {
     if (p.rope != 0 || p.rope_cs != nullptr || p.kpe != nullptr) return kSm90Shapes;
-    switch (p.dv) {
-      case 64:
-      case 128: return launch<128, true>(p, stream);
-      case 256: return launch<256, true>(p, stream);
-      case 512: return launch<512, true>(p, stream);
-      default: return kSm90Shapes;
-    }
+    return launch_dv<true>(p, stream);
   }
   if (!sm90_shape_supported(p.dv, p.rope)) return kSm90Shapes;
   if (p.rope_cs != nullptr && p.rope != 64) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
-  switch (p.dv) {
-    case 64:
-    case 128: return launch<128, false>(p, stream);
-    case 256: return launch<256, false>(p, stream);
-    case 512: return launch<512, false>(p, stream);
-    default: return kSm90Shapes;
-  }
+  return launch_dv<false>(p, stream);
 }
 
 #else  // AMD: the Hopper kernel does not exist there
