@@ -12,7 +12,7 @@ The kernel column says which kernel ran (on a Hopper build on a Hopper GPU
 the Hopper kernel takes every shape here). One row reads rope-32 keys from a
 cache whose rows are 576 elements apart (the storage of a rope-64 cache,
 viewed [..., :544]): the same bytes as the plain rope-32 row, in rows that
-start on 128-byte boundaries."""
+start on 128-byte boundaries (at h_q 32 and at h_q 128)."""
 
 import argparse
 import os
@@ -35,6 +35,7 @@ SHAPES = [
     ("dv 512, rope 64 (DeepSeek)", 128, 512, 64, False),
     ("dv 256, rope 32", 128, 256, 32, False),
     ("dv 512, rope 32", 128, 512, 32, False),
+    ("dv 512, rope 32, 128 B aligned rows", 128, 512, 32, False, 576),
     ("dv 128, rope 64", 128, 128, 64, False),
     ("dv 128, rope 16", 128, 128, 16, False),
     ("dv 64, rope 8, h_q 40", 40, 64, 8, False),

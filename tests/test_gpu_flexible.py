@@ -105,6 +105,28 @@ def test_rows_wider_than_the_key(dv, rope, h_q):
     check(out, lse, ro, rl, f"strided rows dv={dv} rope={rope} h_q={h_q}")
 
 
+@pytest.mark.parametrize("dv,rope,h_q", [(512, 32, 64), (256, 16, 24), (128, 8, 128), (64, 32, 64)])
+def test_separate_rope_rows_narrow(dv, rope, h_q):
+    """Separate rope-key rows (kpe) narrower than 64, in a wider buffer with
+    NaN in the gap: they replace the key's rope columns, which are NaN in the
+    cache and never read. The kernel pads the rope block to 64 columns: the
+    NaN gap beside the kpe columns must never reach S. (h_q 64 and 128 take
+    Q by TMA, 24 by cp.async; the lengths give full 64-key halves (TMA) and
+    partial ones (cp.async).)"""
+    lens = [1, 700, 4097, 129]
+    q, kv, _, seqlens = make_flat(lens, h_q, dv, rope, False, seed=dv + 3 * rope + h_q)
+    wide = torch.full((kv.shape[0], kv.shape[1] + 2, rope + 16), float("nan"), dtype=kv.dtype, device="cuda")
+    kpe = wide[:, :, 8:8 + rope]
+    kpe[:, :kv.shape[1]] = kv[..., dv:]
+    kv_no_rope = kv.clone()
+    kv_no_rope[..., dv:] = float("nan")
+    out, lse = poisoned(q, dv)
+    scale = (dv + rope) ** -0.5
+    mla_attention(q, kv_no_rope, seqlens, scale, out=out, lse=lse, head_dim_v=dv, kpe=kpe)
+    ro, rl = attention_reference(q, kv, seqlens, scale, head_dim_v=dv)
+    check(out, lse, ro, rl, f"kpe rows dv={dv} rope={rope} h_q={h_q}")
+
+
 @pytest.mark.parametrize("dv,rope", [(512, 32), (128, 64), (256, 64), (64, 64)])
 def test_flexible_rope_on_the_fly(dv, rope):
     # the task's RoPE applied to the shared rope columns in the kernel, any rope width

@@ -168,10 +168,7 @@ Planned make_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t c
   pp.tile = info.kernel.tile;
   pp.s_q = static_cast<int>(s_q);
   pp.max_len = static_cast<int>(capacity);
-  static const bool p0_only = [] {
-    const char* e = std::getenv("MLA_DECODE_PLAN_P0");
-    return e != nullptr && std::string(e) == "1";
-  }();
+  static const bool p0_only = env_is("MLA_DECODE_PLAN_P0", "1");
   pp.p0_only = p0_only ? 1 : 0;
   check_launch(launch_plan(pp, stream), "split planner launch");
   return {plan, max_parts};

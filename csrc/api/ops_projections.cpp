@@ -113,6 +113,8 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
   const Mat mx = as_mat(x, "x");
   if (mx.rows < 1 || mx.rows > 256 || mx.cols < 1)
     fail_value("gemm_nt: x must have 1 to 256 rows and k >= 1, got " + shape_str(x));
+  if (mx.cols > INT32_MAX || mx.batch > 65535)
+    fail_value("gemm_nt: k must fit int32 and the batch be at most 65535, got " + shape_str(x));
   GemmParams p{};
   p.x = reinterpret_cast<const bf16_t*>(x.data_ptr());
   p.x_row_stride = mx.rs;
@@ -163,7 +165,6 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
       s.y_batch_stride = my.bs;
     }
   }
-  if (mx.cols > INT32_MAX) fail_value("gemm_nt: k overflows int32");
   return p;
 }
 

@@ -359,10 +359,14 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   __shared__ int total_s;
   pdl_trigger();  // the attention kernel may start its prologue; it waits for this plan before reading it
   const int tid = thread_x();
-  auto tiles_of = [&](int b) {
+  auto tiles_from_len = [&](int b) {
     const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
     return L > 0 ? (L + p.tile - 1) / p.tile : 0;
   };
+  // sequence tid's tiles, read once (with bs <= threads, a thread's only
+  // sequence: the candidate loop and the part order below reuse it)
+  const int own_tiles = tid < p.bs ? tiles_from_len(tid) : 0;
+  auto tiles_of = [&](int b) { return b == tid ? own_tiles : tiles_from_len(b); };
   // total tiles (an empty sequence counts one: it still gets a part) and the longest sequence
   __shared__ int warp_max[kPlanThreads / 32];
   int mine = 0, longest = 0;

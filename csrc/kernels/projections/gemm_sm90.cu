@@ -319,9 +319,33 @@ int active_clusters(KernelFn fn, int splits, int smem) {
   return n;
 }
 
-int env_int(const char* name) {
-  const char* e = std::getenv(name);
-  return e == nullptr ? 0 : std::atoi(e);
+// The current device's SM count and opt-in shared memory per block, queried
+// once per device (plan() runs on every launch).
+bool device_limits(int* sms, int* smem_max) {
+  static std::mutex mu;
+  static std::map<int, std::pair<int, int>> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(dev);
+    if (it != cache.end()) {
+      *sms = it->second.first;
+      *smem_max = it->second.second;
+      return true;
+    }
+  }
+  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache[dev] = {*sms, *smem_max};
+  return true;
 }
 
 bool aligned16(const void* ptr, int64_t s1, int64_t s2) {
@@ -350,18 +374,14 @@ const char* plan(const GemmParams& p, Plan* out) {
       return "gemm_sm90: outputs need a 16-byte aligned base and strides that are multiples of 8 elements";
     if (s.n < 256) wide = false;
   }
-  int dev = 0, sms = 0, smem_max = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "gemm_sm90: cannot query the device";
-  }
+  int sms = 0, smem_max = 0;
+  if (!device_limits(&sms, &smem_max)) return "gemm_sm90: cannot query the device";
   const int bm = p.m <= 64 ? 64 : p.m <= 128 ? 128 : 256;
   const int kt = (p.k + 63) / 64;
   // measurement switches (benchmarks; unset in normal use): force the tile
   // width (MLA_DECODE_GEMM_MW = 1 or 2), the split count and the load group
-  const int force_mw = env_int("MLA_DECODE_GEMM_MW"), force_s = env_int("MLA_DECODE_GEMM_SPLITS");
-  const int force_group = env_int("MLA_DECODE_GEMM_GROUP");
+  static const int force_mw = env_int("MLA_DECODE_GEMM_MW"), force_s = env_int("MLA_DECODE_GEMM_SPLITS");
+  static const int force_group = env_int("MLA_DECODE_GEMM_GROUP");
   double best = -1.0;
   for (int mw : {2, 1}) {
     const bool two_ok = bm <= 128 && wide;
