@@ -167,6 +167,48 @@ def _weight_state(w):
     return (w._version, w.data_ptr(), w.shape, w.stride(), w.dtype, w.get_device())
 
 
+_CONFIG_DIMS = ("n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dim")
+
+
+class _LastCall:
+    """The last graphed call: its inputs as validate() passed them (weights
+    by weak reference and state, the cache tensor by weak reference and
+    layout, x's layout, the config's dims as given) and what was derived
+    from them (dims, rope tables, cache state, captured step). A call whose
+    inputs compare equal on all of these would pass the same checks and
+    derive the same things, so MLADecoder replays the step at once (the
+    task's harness calls with the same objects every time; ~20 us of host
+    time per call on the lent machines' CPUs). Anything else, including
+    every input error, takes the full path."""
+
+    __slots__ = ("cfg_dims", "weights", "data", "data_layout", "x_shape", "device", "dims", "tables", "st", "step")
+
+    def __init__(self, config, x, data, dims, stamp, tables, st, step):
+        self.cfg_dims = tuple(getattr(config, n) for n in _CONFIG_DIMS)
+        self.weights = tuple(zip(stamp.refs, stamp.state, _WEIGHTS))
+        self.data = weakref.ref(data)
+        self.data_layout = (data.shape, data.stride(), data.dtype, data.device)
+        self.x_shape = x.shape
+        self.device = x.device
+        self.dims, self.tables, self.st, self.step = dims, tables, st, step
+
+    def matches(self, config, x, data) -> bool:
+        if not isinstance(x, torch.Tensor) or data is None or self.data() is not data:
+            return False
+        if (x.shape != self.x_shape or x.dtype != torch.bfloat16 or x.device != self.device
+                or not x.is_contiguous()):
+            return False
+        if (data.shape, data.stride(), data.dtype, data.device) != self.data_layout:
+            return False
+        if tuple(getattr(config, n, None) for n in _CONFIG_DIMS) != self.cfg_dims:
+            return False
+        for ref, state, name in self.weights:
+            w = getattr(config, name, None)
+            if ref() is not w or _weight_state(w) != state:
+                return False
+        return True
+
+
 _MAX_CACHES = 4
 _MAX_GRAPHS = 4
 
@@ -261,6 +303,7 @@ class MLADecoder:
         self._seen = collections.OrderedDict()    # keys seen once (the next call with one captures)
         self._failed = set()
         self._stamp = None
+        self._last = None  # _LastCall of the last graphed call
         self._rope = {}
         self._warned = set()
         self._chosen = {}
@@ -309,6 +352,11 @@ class MLADecoder:
 
     # -- the step -----------------------------------------------------------
     def __call__(self, config, x, kv_cache):
+        last = self._last
+        if last is not None:
+            out = self._replay_last(last, config, x, kv_cache)
+            if out is not None:
+                return out
         known = self._stamp
         vouched = []
 
@@ -334,7 +382,9 @@ class MLADecoder:
         if step is not None:
             y = step(x2, pos + 1)
             self.last_graphed = True
+            self._last = _LastCall(config, x, data, dims, self._stamp, tables, st, step)
         else:
+            self._last = None
             seqlens = torch.full((dims.bs,), pos + 1, dtype=torch.int32, device=x.device)
             y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=x.device)
             self._core(which, config, dims, x2, data, seqlens, y, tables, pos + 1,
@@ -346,9 +396,28 @@ class MLADecoder:
         self.last_backend = which
         return y.view(dims.bs, 1, dims.dim), data
 
+    def _replay_last(self, last, config, x, kv_cache):
+        """The step of the last graphed call, replayed, when this call's
+        inputs match it (see _LastCall); else None (the full path)."""
+        data = getattr(kv_cache, "data", None)
+        pos = getattr(kv_cache, "seq_len", None)
+        if not (isinstance(pos, int) and 0 <= pos < last.dims.max_seq_len):
+            return None
+        if not last.matches(config, x, data) or torch.cuda.is_current_stream_capturing():
+            return None
+        dims, st = last.dims, last.st
+        st.ready(data, pos, last.tables, dims.kv_lora)
+        y = last.step(x.view(dims.bs, dims.dim), pos + 1)
+        st.stepped(data, pos + 1)
+        kv_cache.seq_len = pos + 1
+        self.last_backend = "kernels"
+        self.last_graphed = True
+        return y.view(dims.bs, 1, dims.dim), data
+
     def forget_caches(self):
         """Drop what the decoder keeps per cache (rotated keys, captured
         steps): call it after writing a cache other than through PyTorch."""
+        self._last = None
         with self._lock:
             self._caches.clear()
             self._graphs.clear()

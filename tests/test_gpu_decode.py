@@ -148,3 +148,47 @@ def test_new_weight_objects_every_call_as_the_ranked_harness_passes_them():
         assert torch.equal(yg, ye), f"step {step}"
         del cfg
     assert torch.equal(kv.data, kv_e.data)
+
+
+def test_repeated_call_rechecks_every_input():
+    """After graphed calls with the same objects (the decoder then replays
+    the last step after comparing the inputs with the last call's), every
+    bad input must still raise before anything is written, and a good call
+    afterwards must still match the eager step."""
+    config, x, kv = generate_input(batch_size=4, prefill=30, max_seq_len=40, seed=41, device="cuda")
+    kv_e = kv.clone()
+    dg = mla_decode.MLADecoder(backend="kernels")
+    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
+    for _ in range(3):
+        yg, _ = dg(config, x, kv)
+        ye, _ = de(config, x, kv_e)
+    assert dg.last_graphed and torch.equal(yg, ye)
+    before, L = kv.data.clone(), kv.seq_len
+    w = config.Q_proj_up_weight
+    bad = [
+        (lambda: dg(config, x[:, :, :-8].contiguous(), kv), mla_decode.MLAInputError, "x must have shape"),
+        (lambda: dg(config, x[:2], kv), mla_decode.MLAInputError, r"kv_cache.data must have shape \[bs=2"),
+        (lambda: dg(config, x.float(), kv), TypeError, "x must be torch.bfloat16"),
+        (lambda: dg(config, torch.cat([x, x], -1)[..., :x.shape[-1]], kv), mla_decode.MLAInputError,
+         "x must be contiguous"),
+    ]
+    for fn, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            fn()
+    # a weight viewed at the same address with another shape (no version bump)
+    w.data = w.data.view(w.shape[0] // 2, w.shape[1] * 2)
+    with pytest.raises(mla_decode.MLAInputError, match="Q_proj_up_weight must have shape"):
+        dg(config, x, kv)
+    w.data = w.data.view(w.shape[0] * 2, w.shape[1] // 2)
+    config.n_heads //= 2
+    with pytest.raises(mla_decode.MLAInputError, match="must have shape"):
+        dg(config, x, kv)
+    config.n_heads *= 2
+    kv.seq_len = kv.data.shape[1]
+    with pytest.raises(mla_decode.MLAInputError, match="full"):
+        dg(config, x, kv)
+    kv.seq_len = L
+    assert torch.equal(kv.data, before), "a refused call wrote the cache"
+    yg, _ = dg(config, x, kv)
+    ye, _ = de(config, x, kv_e)
+    assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
