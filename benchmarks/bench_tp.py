@@ -7,7 +7,11 @@ weights) and the sharded step on all ranks, both timed as the task harness
 times (synchronize, wall clock, call, synchronize; repeated calls on one
 cache; ranks aligned by a barrier before each call, outside the timing), and
 the reduction of y alone (TPDecoder.reduce: one bf16 all-reduce for two NCCL
-ranks, else fp32; device events). Median of --iters.
+ranks, else fp32; device events). "rank share" is the step without the
+all-reduce; the "graph" columns are device time alone (a CUDA graph of one
+call replayed, no host work), so graph / graph is the ratio the kernels
+allow and the harness ratio adds host time and the wait for the slower
+rank. Median of --iters.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set)."""
 
 import argparse
@@ -26,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode.reference import generate_input  # noqa: E402
 from mla_decode.tp import TPDecoder  # noqa: E402
-from common import time_events  # noqa: E402
+from common import time_events, time_graph  # noqa: E402
 
 
 def wall(fn, iters, aligned):
@@ -61,29 +65,34 @@ def main():
     rows = []
     for prefill in args.prefills:
         config, x, kv = generate_input(batch_size=args.bs, prefill=prefill, seed=prefill, device=dev)
-        t1 = float("nan")
+        t1 = t1g = float("nan")
         if rank == 0:
             kv1 = kv.clone()
             single = mla_decode.MLADecoder(backend="kernels")
             t1 = wall(lambda: single(config, x, kv1), args.iters, aligned=False)
+            t1g = time_graph(lambda: single(config, x, kv1), iters=args.iters) * 1e3
             del kv1
         dist.barrier()
         tp = TPDecoder(config, rank, world, backend="kernels")
         tn = wall(lambda: tp(x, kv), args.iters, aligned=True)
         tpart = wall(lambda: tp.partial(x, kv), args.iters, aligned=True)  # this rank's share, no all-reduce
-        tdev = time_events(lambda: tp(x, kv), iters=args.iters) * 1e3     # device time of a whole step
+        tpg = time_graph(lambda: tp.partial(x, kv), iters=args.iters) * 1e3  # its device time alone
+        tdev = time_events(lambda: tp(x, kv), iters=args.iters) * 1e3     # one whole step by device events
         y = torch.zeros(args.bs, config.dim, dtype=torch.bfloat16, device=dev)
         ar = time_events(lambda: tp.reduce(y), iters=args.iters) * 1e3  # the step's own reduction of y
         got = [None] * world
-        dist.all_gather_object(got, (tn, tpart, tdev))
+        dist.all_gather_object(got, (tn, tpart, tpg, tdev))
         if rank == 0:
             tn = max(g[0] for g in got)
-            row = dict(prefill=prefill, tp=world, tp1_us=t1, tpn_us=tn, ratio=tn / t1, allreduce_us=ar,
-                       partial_us=max(g[1] for g in got), step_events_us=max(g[2] for g in got))
+            row = dict(prefill=prefill, tp=world, tp1_us=t1, tp1_graph_us=t1g, tpn_us=tn, ratio=tn / t1,
+                       allreduce_us=ar, partial_us=max(g[1] for g in got), partial_graph_us=max(g[2] for g in got),
+                       step_events_us=max(g[3] for g in got))
             rows.append(row)
-            print(f"  prefill {prefill:>5}: TP=1 {t1:8.1f} us | TP={world} {tn:8.1f} us (slowest rank) "
-                  f"= {row['ratio']:.2f}x | rank share without all-reduce {row['partial_us']:7.1f} us | "
-                  f"step by events {row['step_events_us']:7.1f} us | all-reduce of y alone {ar:6.1f} us", flush=True)
+            print(f"  prefill {prefill:>5}: TP=1 {t1:7.1f} us (graph {t1g:6.1f}) | TP={world} {tn:7.1f} us "
+                  f"(slowest rank) = {row['ratio']:.2f}x | rank share {row['partial_us']:6.1f} us "
+                  f"(graph {row['partial_graph_us']:6.1f} = {row['partial_graph_us'] / t1g:.2f}x) | "
+                  f"step by events {row['step_events_us']:6.1f} us | "
+                  f"all-reduce of y alone {ar:5.1f} us", flush=True)
         del config, x, kv, tp
         torch.cuda.empty_cache()
     if rank == 0 and args.json:
