@@ -171,21 +171,23 @@ _CONFIG_DIMS = ("n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "q
 
 
 class _LastCall:
-    """The last graphed call: its inputs as validate() passed them (weights
-    by weak reference and state, the cache tensor by weak reference and
-    layout, x's layout, the config's dims as given) and what was derived
-    from them (dims, rope tables, cache state, captured step). A call whose
-    inputs compare equal on all of these would pass the same checks and
-    derive the same things, so MLADecoder replays the step at once (the
-    task's harness calls with the same objects every time; ~20 us of host
-    time per call on the lent machines' CPUs). Anything else, including
-    every input error, takes the full path."""
+    """The last graphed call: its inputs as validate() passed them (the
+    weights' layouts: address, shape, strides, dtype, device; the cache
+    tensor by weak reference and layout; x's layout; the config's dims as
+    given) and what was derived from them (dims, rope tables, cache state,
+    captured step). A call whose inputs compare equal on all of these would
+    pass the same checks and derive the same things, so MLADecoder replays
+    the step at once. The weights' identity and values do not enter: the
+    checks read only their layout, and the graph reads them where they lie
+    (so new weight objects at the same addresses, as the task's ranked mode
+    passes them, take this path too). Anything else, including every input
+    error, takes the full path."""
 
     __slots__ = ("cfg_dims", "weights", "data", "data_layout", "x_shape", "device", "dims", "tables", "st", "step")
 
-    def __init__(self, config, x, data, dims, stamp, tables, st, step):
+    def __init__(self, config, x, data, dims, tables, st, step):
         self.cfg_dims = tuple(getattr(config, n) for n in _CONFIG_DIMS)
-        self.weights = tuple(zip(stamp.refs, stamp.state, _WEIGHTS))
+        self.weights = tuple((name, _weight_layout(getattr(config, name))) for name in _WEIGHTS)
         self.data = weakref.ref(data)
         self.data_layout = (data.shape, data.stride(), data.dtype, data.device)
         self.x_shape = x.shape
@@ -202,11 +204,15 @@ class _LastCall:
             return False
         if tuple(getattr(config, n, None) for n in _CONFIG_DIMS) != self.cfg_dims:
             return False
-        for ref, state, name in self.weights:
+        for name, layout in self.weights:
             w = getattr(config, name, None)
-            if ref() is not w or _weight_state(w) != state:
+            if not isinstance(w, torch.Tensor) or _weight_layout(w) != layout:
                 return False
         return True
+
+
+def _weight_layout(w):
+    return (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
 
 
 _MAX_CACHES = 4
@@ -382,7 +388,7 @@ class MLADecoder:
         if step is not None:
             y = step(x2, pos + 1)
             self.last_graphed = True
-            self._last = _LastCall(config, x, data, dims, self._stamp, tables, st, step)
+            self._last = _LastCall(config, x, data, dims, tables, st, step)
         else:
             self._last = None
             seqlens = torch.full((dims.bs,), pos + 1, dtype=torch.int32, device=x.device)

@@ -192,3 +192,15 @@ def test_repeated_call_rechecks_every_input():
     yg, _ = dg(config, x, kv)
     ye, _ = de(config, x, kv_e)
     assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
+    # new weight objects over the same memory (as the ranked mode's clones often land), one
+    # with new values: the replay of the last step serves them and reads the new values
+    import dataclasses
+
+    names = ("Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")
+    last = dg._last
+    cfg2 = dataclasses.replace(config, **{n: getattr(config, n).view(getattr(config, n).shape) for n in names})
+    cfg2.wo_weight.mul_(0.5)
+    yg, _ = dg(cfg2, x, kv)
+    ye, _ = de(cfg2, x, kv_e)
+    assert dg._last is last, "new objects at the same addresses did not take the replay path"
+    assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
