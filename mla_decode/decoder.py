@@ -75,8 +75,8 @@ def validate(config, x, kv_cache, weights_known=None) -> Dims:
     return its dims. Raises MLAInputError/TypeError naming what was expected.
     ``weights_known(config, dims)``, when given and true, vouches for the
     five weights (MLADecoder passes its _WeightStamp.matches, which compares
-    identity, version, address, shape, strides, dtype and device with a set
-    that passed these checks), so they are not checked again."""
+    address, shape, strides, dtype and device with a set that passed these
+    checks: all that the checks read), so they are not checked again."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     try:
@@ -136,35 +136,35 @@ def _check_weights(config, dims: Dims, dev):
 
 
 class _WeightStamp:
-    """The five weights of the last call that passed validation, by weak
-    reference and (version, address, shape, strides, dtype, device). A call
-    whose weights are the same objects in the same state passes the same
-    checks, so validate() is spared re-checking them. Nothing is derived
-    from the weights and kept: the task's ranked mode passes new weight
-    objects on every call, so every call reads the weights where they lie."""
+    """The layouts (address, shape, strides, dtype, device) of the five
+    weights of the last call that passed validation. The weight checks read
+    nothing else, so weights with the same layouts (the same objects, or new
+    ones over the same memory, whatever their values) pass them again and
+    validate() is spared re-checking them. Nothing is derived from the
+    weights' values and kept: every call reads the weights where they lie."""
 
     def __init__(self, config, dims: Dims):
-        ws = [getattr(config, n) for n in _WEIGHTS]
-        self.refs = tuple(weakref.ref(w) for w in ws)
-        self.state = tuple(_weight_state(w) for w in ws)
+        self.layouts = tuple(_weight_layout(getattr(config, n)) for n in _WEIGHTS)
         self.wdims = _weight_dims(dims)
 
-    def matches(self, config, dims: Dims, device=None) -> bool:
-        if _weight_dims(dims) != self.wdims:
-            return False
-        for ref, st, name in zip(self.refs, self.state, _WEIGHTS):
+    def weights_match(self, config) -> bool:
+        for name, layout in zip(_WEIGHTS, self.layouts):
             w = getattr(config, name, None)
-            if ref() is not w or _weight_state(w) != st:
+            if not isinstance(w, torch.Tensor) or _weight_layout(w) != layout:
                 return False
-        return device is None or self.state[0][5] == (device.index if device.type == "cuda" else -1)
+        return True
+
+    def matches(self, config, dims: Dims, device=None) -> bool:
+        return (_weight_dims(dims) == self.wdims and self.weights_match(config)
+                and (device is None or self.layouts[0][4] == device))
 
 
 def _weight_dims(d: Dims):
     return (d.dim, d.heads, d.q_lora, d.kv_lora, d.nope, d.rope, d.v)
 
 
-def _weight_state(w):
-    return (w._version, w.data_ptr(), w.shape, w.stride(), w.dtype, w.get_device())
+def _weight_layout(w):
+    return (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
 
 
 _CONFIG_DIMS = ("n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dim")
@@ -172,22 +172,22 @@ _CONFIG_DIMS = ("n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "q
 
 class _LastCall:
     """The last graphed call: its inputs as validate() passed them (the
-    weights' layouts: address, shape, strides, dtype, device; the cache
-    tensor by weak reference and layout; x's layout; the config's dims as
-    given) and what was derived from them (dims, rope tables, cache state,
-    captured step). A call whose inputs compare equal on all of these would
-    pass the same checks and derive the same things, so MLADecoder replays
-    the step at once. The weights' identity and values do not enter: the
-    checks read only their layout, and the graph reads them where they lie
-    (so new weight objects at the same addresses, as the task's ranked mode
-    passes them, take this path too). Anything else, including every input
-    error, takes the full path."""
+    weights' layouts, as its _WeightStamp holds them; the cache tensor by
+    weak reference and layout; x's layout; the config's dims as given) and
+    what was derived from them (dims, rope tables, cache state, captured
+    step). A call whose inputs compare equal on all of these would pass the
+    same checks and derive the same things, so MLADecoder replays the step
+    at once. The weights' identity and values do not enter: the checks read
+    only their layout, and the graph reads them where they lie (so new
+    weight objects at the same addresses, as the task's ranked mode passes
+    them, take this path too). Anything else, including every input error,
+    takes the full path."""
 
-    __slots__ = ("cfg_dims", "weights", "data", "data_layout", "x_shape", "device", "dims", "tables", "st", "step")
+    __slots__ = ("cfg_dims", "stamp", "data", "data_layout", "x_shape", "device", "dims", "tables", "st", "step")
 
-    def __init__(self, config, x, data, dims, tables, st, step):
+    def __init__(self, config, x, data, dims, stamp, tables, st, step):
         self.cfg_dims = tuple(getattr(config, n) for n in _CONFIG_DIMS)
-        self.weights = tuple((name, _weight_layout(getattr(config, name))) for name in _WEIGHTS)
+        self.stamp = stamp
         self.data = weakref.ref(data)
         self.data_layout = (data.shape, data.stride(), data.dtype, data.device)
         self.x_shape = x.shape
@@ -204,15 +204,7 @@ class _LastCall:
             return False
         if tuple(getattr(config, n, None) for n in _CONFIG_DIMS) != self.cfg_dims:
             return False
-        for name, layout in self.weights:
-            w = getattr(config, name, None)
-            if not isinstance(w, torch.Tensor) or _weight_layout(w) != layout:
-                return False
-        return True
-
-
-def _weight_layout(w):
-    return (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device)
+        return self.stamp.weights_match(config)
 
 
 _MAX_CACHES = 4
@@ -366,7 +358,7 @@ class MLADecoder:
         known = self._stamp
         vouched = []
 
-        def vouch(config, dims, device):  # the weights of the last call, unchanged: no need to check them again
+        def vouch(config, dims, device):  # the last call's weight layouts: no need to check them again
             ok = known is not None and known.matches(config, dims, device)
             vouched.append(ok)
             return ok
@@ -388,7 +380,7 @@ class MLADecoder:
         if step is not None:
             y = step(x2, pos + 1)
             self.last_graphed = True
-            self._last = _LastCall(config, x, data, dims, tables, st, step)
+            self._last = _LastCall(config, x, data, dims, self._stamp, tables, st, step)
         else:
             self._last = None
             seqlens = torch.full((dims.bs,), pos + 1, dtype=torch.int32, device=x.device)

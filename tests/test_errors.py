@@ -134,9 +134,10 @@ def test_kernels_backend_refuses_clearly_without_kernels(small_input):
     (lambda w: w.t().contiguous().t(), MLAInputError, r"config.wo_weight must be contiguous"),
 ])
 def test_weights_checked_again_after_a_swap_behind_the_same_object(small_input, swap, exc, match):
-    """The decoder skips re-checking the very same weight objects in the same
-    state; a weight whose storage was swapped through ``.data`` (same object,
-    same version counter) must be checked again and refused."""
+    """The decoder skips re-checking weights whose layouts (address, shape,
+    strides, dtype, device) are the last good call's; a weight whose storage
+    was swapped through ``.data`` (same object, same version counter) must
+    be checked again and refused."""
     config, x, kv = small_input()
     dec = mla_decode.MLADecoder(backend="torch")
     dec(config, x, kv)  # a good call: the decoder now vouches for these weights
