@@ -944,27 +944,28 @@ bool sm90_shape_supported(int dv, int rope) {
 bool sm90_per_head_supported(int dv) { return sm90_dv_supported(dv); }
 
 namespace {
-// The kernel instance of a supported dv (instance width kDv >= dv).
-template <bool kPH>
-const char* launch_dv(const AttnParams& p, stream_t stream) {
-  switch (p.dv) {
+// f(std::integral_constant<int, kDv>) for the kernel instance of a
+// supported dv (instance width kDv >= dv: dv 64 runs on the dv 128 instance,
+// see the kernel); the shape message otherwise.
+template <typename F>
+const char* on_dv_instance(int dv, F&& f) {
+  switch (dv) {
     case 64:
-    case 128: return launch<128, kPH>(p, stream);
-    case 256: return launch<256, kPH>(p, stream);
-    case 512: return launch<512, kPH>(p, stream);
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
+    case 512: return f(std::integral_constant<int, 512>{});
     default: return kSm90Shapes;
   }
+}
+
+template <bool kPH>
+const char* launch_dv(const AttnParams& p, stream_t stream) {
+  return on_dv_instance(p.dv, [&](auto k) { return launch<decltype(k)::value, kPH>(p, stream); });
 }
 }  // namespace
 
 const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
-  switch (dv) {
-    case 64:  // on the dv 128 instance (see the kernel)
-    case 128: return kernel_info<128>(per_head, info);
-    case 256: return kernel_info<256>(per_head, info);
-    case 512: return kernel_info<512>(per_head, info);
-    default: return kSm90Shapes;
-  }
+  return on_dv_instance(dv, [&](auto k) { return kernel_info<decltype(k)::value>(per_head, info); });
 }
 
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {

@@ -39,8 +39,8 @@ struct GemmParams {
 
 // The configuration the launcher picks for these sizes (exposed for tests
 // and benchmarks): tile rows of W per block (bn), padded rows of x (bm),
-// split-K ways (= cluster size), pipeline stages, blocks, shared memory, and
-// and the load group (k blocks requested back to back once as many slots
+// split-K ways (= cluster size), pipeline stages, blocks, shared memory and
+// the load group (k blocks requested back to back once as many slots
 // are free).
 struct GemmConfig {
   int bn, bm, splits, stages, blocks, smem, group;
