@@ -125,6 +125,24 @@ def test_attention_paged(block_size, rope):
     check(out, lse, ro, rl, f"paged block_size={block_size} rope={rope}")
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_attention_many_items_per_block(rope):
+    """Several work items per persistent block (bs 3 x 128 heads), lengths
+    around the 64-key half and 128-key pair boundaries mixed with long split
+    sequences and empty ones: exercises each item boundary, where the next
+    item's first key half and Q may be loaded during the current item's
+    last pair (or not: partial first halves, split current items)."""
+    g = torch.Generator().manual_seed(41)
+    pool = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 513, 640, 3000]
+    lens = [pool[i] for i in torch.randint(len(pool), (384,), generator=g).tolist()]
+    q, kv, seqlens = make_case(lens, max_seq=3001, seed=42)
+    cs = rope_table(kv.shape[1], device="cuda") if rope else None
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, out=out, lse=lse)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07, rope_cs=cs)
+    check(out, lse, ro, rl, f"384 sequences, rope={rope}")
+
+
 def test_attention_returns_new_tensors():
     q, kv, seqlens = make_case([100, 33], seed=9)
     out, lse = mla_attention(q, kv, seqlens, 0.1)
