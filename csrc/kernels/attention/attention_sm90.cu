@@ -405,6 +405,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       }
       return;
     }
+    if (key0 >= L) {  // an empty half (a short last pair): nothing reads its buffer (S and P V skip it); keep the phase
+      wg::cp_async_arrive(mbar(jp, bar));
+      return;
+    }
     unsigned char* dst = kbuf(jp) + h * T::kMatBytes + lsmem;
     const int key_base = key0 + lr;
     const bf16_t* srcs[4];
