@@ -637,13 +637,25 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
 
   using W0 = std::integral_constant<bool, false>;
   using W1 = std::integral_constant<bool, true>;
+  // At dv 512 each warpgroup's loop starts at jp = -1, which only issues
+  // pair 0's S: one copy of the S code per warpgroup serves every pair. (A
+  // separate copy for an item's first S was ~460 more instructions fetched
+  // at every work item; measured on an H200: L 513 93-95 -> 85-87 us. At dv
+  // 128/256 the same loop took 14-20 more registers and ran 2-7% slower, so
+  // they keep the separate first S.)
+  constexpr bool kLoopS = kDv == 512;
+  constexpr int kFirst = kLoopS ? -1 : 0;
   if (wg == 0) {
-    if (npairs > 0) {
+    if (!kLoopS && npairs > 0) {
       issue_s(W0{}, s, 0, [] {});
       wg::wait<0>();
     }
-    for (int jp = 0; jp < npairs; ++jp) {
+#pragma unroll 1
+    for (int jp = kFirst; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs;              // a next pair: its S is issued at the end of this one
+      const bool refill = jp >= 0 && jp + kStages < npairs;  // pair jp + kStages loads into this pair's buffers
+      if (kLoopS) wg::wait<0>();  // (nothing in flight; ptxas needs to see it at the top of the loop, else C7515)
+      if (jp >= 0) {
       // Taking the next item early and prefetching its Q: at dv 512 only (the
       // extra code in the loop made dv 128/256 2-3% slower, measured on an
       // H200; they take the next item in the epilogue and Q in the prologue)
@@ -651,7 +663,6 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         if (jp == max(npairs - 2, 0)) next_item = grab();
         if (!more) next_b = item_seq(next_item);
       }
-      const bool refill = jp + kStages < npairs;      // pair jp + kStages loads into this pair's buffers
       const uint64_t so = soff(jp);
       // pair jp + kStages's loads are issued during this pair; the page ids
       // of pair jp + kStages + 1 are read now and stored before the kBarM1
@@ -708,6 +719,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         pv_smem<T::kN, kF16>(o, dp_other + so, dv1 + so);
         wg::commit();
       }
+      }  // jp >= 0
       if (more) {
         issue_s(W0{}, s, jp + 1, [&] {
           wg::wait<1>();  // P1 V1L done: K1 blocks [0, kHB) and the rope block are free
@@ -717,12 +729,15 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::wait<0>();
     }
   } else {
-    if (npairs > 0) {
+    if (!kLoopS && npairs > 0) {
       issue_s(W1{}, s, 0, [] {});
       wg::wait<0>();
     }
-    for (int jp = 0; jp < npairs; ++jp) {
+#pragma unroll 1
+    for (int jp = kFirst; jp < npairs; ++jp) {
       const bool more = jp + 1 < npairs, refill = jp + kStages < npairs;
+      if (kLoopS) wg::wait<0>();  // (as in warpgroup 0's loop)
+      if (jp >= 0) {
       const uint64_t so = soff(jp);
       float mx0, mx1;
       add_scores(s, jp);
@@ -757,6 +772,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       if (refill) load_half(jp + kStages, 1, kHB, kNB, false, kMbK1b);
       wg::wait<0>();  // P0 V0R done: K0 blocks [kHB, kNB] (the rope block held P0) are free
       if (refill) load_half(jp + kStages, 0, kHB, kNB, true, kMbK0b);
+      }  // jp >= 0
       if (more) {
         issue_s(W1{}, s, jp + 1, [] {});
         wg::wait<0>();
