@@ -44,7 +44,7 @@ def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tens
 
 
 def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
-                  out=None, lse=None, kpe=None, head_dim_v=DV, kpe_heads=None):
+                  out=None, lse=None, kpe=None, head_dim_v=DV, kpe_heads=None, plan=None):
     """Split-KV absorbed attention on the GPU kernels.
 
     q: [bs, s_q, h_q, d] bf16 or fp16 with d = head_dim_v + rope (DeepSeek:
@@ -60,6 +60,17 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     rope] (paged: [num_blocks, block_size, h_q, rope], the pages of kv); kv
     rows are then the dv latent columns alone, and the score of head h is
     q[..., :dv] . c_t + q[..., dv:] . kpe_heads[t, h]. Used as stored.
+    plan: None (the call plans its split on the device: one planner launch
+    ahead of the attention), or ``torch.ops.mla_decode.plan(seqlens, s_q,
+    h_q, capacity)`` made beforehand, as FlashMLA's ``get_mla_metadata``:
+    one plan serves every call (e.g. every layer of a decode step) while
+    the lengths in seqlens and kv's capacity stay what they were when it
+    was made, for the kernel configuration of dv 512 with the rope keys in
+    the cache row (another configuration that splits differently raises).
+    A plan of other lengths gives wrong outputs (each sequence's length is
+    read from the plan, held to kv's capacity, so never out of bounds).
+    Calls sharing a plan must be ordered (one stream, or synchronized): the
+    persistent kernel takes its work items from a counter in the plan.
     Returns (out [bs, s_q, h_q, head_dim_v] in q's dtype, lse [bs, h_q, s_q]
     fp32, natural log). A sequence of length 0 gives out = 0 and lse = -inf.
     ``out``/``lse`` may be passed in (destination passing)."""
@@ -69,9 +80,9 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
         raise ValueError("pass both out and lse, or neither")
     if out is None:
         return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                              kpe, int(head_dim_v), kpe_heads)
+                                              kpe, int(head_dim_v), kpe_heads, plan)
     torch.ops.mla_decode.attention_out(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                       out, lse, kpe, int(head_dim_v), kpe_heads)
+                                       out, lse, kpe, int(head_dim_v), kpe_heads, plan)
     return out, lse
 
 
@@ -143,7 +154,7 @@ def kv_rows_bf16(kv, block_table, b, L):
 if kernels_built():
     @torch.library.register_fake("mla_decode::attention")
     def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None, head_dim_v=DV,
-                        kpe_heads=None):
+                        kpe_heads=None, plan=None):
         bs, s_q, h_q, _ = q.shape
         return q.new_empty(bs, s_q, h_q, head_dim_v), q.new_empty(bs, h_q, s_q, dtype=torch.float32)
 

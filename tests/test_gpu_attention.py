@@ -143,6 +143,42 @@ def test_attention_many_items_per_block(rope):
     check(out, lse, ro, rl, f"384 sequences, rope={rope}")
 
 
+def test_attention_plan_made_once_serves_many_calls():
+    """plan= (as FlashMLA's metadata): one plan from the plan op serves call
+    after call with the same lengths (new q each time, as the layers of a
+    step), bit for bit what planning inside each call gives; the kernel
+    leaves the plan's work counter at 0. Refused: a plan of another size or
+    dtype, and a kernel configuration that splits the work differently."""
+    g = torch.Generator().manual_seed(45)
+    lens = torch.randint(0, 700, (300,), generator=g).tolist() + [2000, 1, 0, 64]
+    q, kv, seqlens = make_case(lens, max_seq=2001, seed=46)
+    plan = torch.ops.mla_decode.plan(seqlens, 1, q.shape[2], kv.shape[1])
+    assert plan[-2:].tolist() == [0, 0]
+    gq = torch.Generator(device="cuda").manual_seed(47)
+    for call in range(4):
+        qc = torch.randn(q.shape, device="cuda", generator=gq).to(torch.bfloat16)
+        cs = rope_table(kv.shape[1], device="cuda") if call == 3 else None
+        out, lse = poisoned_out(qc)
+        mla_attention(qc, kv, seqlens, 0.07, rope_cs=cs, out=out, lse=lse)
+        out2, lse2 = poisoned_out(qc)
+        mla_attention(qc, kv, seqlens, 0.07, rope_cs=cs, out=out2, lse=lse2, plan=plan)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2), f"call {call}"
+        assert plan[-2:].tolist() == [0, 0], f"work counter left at {plan[-2:].tolist()} after call {call}"
+        if call == 0:
+            ro, rl = attention_reference(qc, kv, seqlens, 0.07)
+            check(out2, lse2, ro, rl, "with a plan made beforehand")
+    short = torch.ops.mla_decode.plan(seqlens[:3], 1, q.shape[2], kv.shape[1])
+    with pytest.raises(ValueError, match="plan"):
+        mla_attention(q, kv, seqlens, 0.07, plan=short)
+    with pytest.raises(TypeError, match="plan"):
+        mla_attention(q, kv, seqlens, 0.07, plan=plan.float())
+    # per-head rope keys plan 32-row work items: not what the plan op plans for
+    kv_lat = kv[:, :8, :DV].contiguous()
+    kh = torch.zeros(len(lens), 8, q.shape[2], D - DV, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="plan"):
+        mla_attention(q, kv_lat, seqlens.clamp(max=8), 0.07, kpe_heads=kh, plan=plan)
+
+
 def test_attention_returns_new_tensors():
     q, kv, seqlens = make_case([100, 33], seed=9)
     out, lse = mla_attention(q, kv, seqlens, 0.1)

@@ -146,17 +146,24 @@ struct Planned {
   int64_t max_parts;
 };
 
-// The split plan of one call (plan.h), computed on the device from the
-// lengths: no host synchronisation, so it is captured with the call.
-Planned make_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, const DeviceAttnInfo& info,
-                  stream_t stream) {
-  const int64_t bs = seqlens.size(0);
+// Parts wanted for one head block (from the SM count and the kernel's
+// residency) and the plan's capacity in parts, for bs sequences of s_q x h_q rows.
+std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, const DeviceAttnInfo& info) {
   const int64_t rows = s_q * h_q;
   const int64_t head_blocks = (rows + info.kernel.rows_per_block - 1) / info.kernel.rows_per_block;
   const int64_t target_parts =
       std::max<int64_t>(1, static_cast<int64_t>(info.sm_count) * info.kernel.blocks_per_sm / head_blocks);
   const int64_t max_parts = target_parts + bs;
   if (max_parts > 65535) fail("too many parts for one launch: " + num(max_parts));
+  return {target_parts, max_parts};
+}
+
+// The split plan of one call (plan.h), computed on the device from the
+// lengths: no host synchronisation, so it is captured with the call.
+Planned make_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, const DeviceAttnInfo& info,
+                  stream_t stream) {
+  const int64_t bs = seqlens.size(0);
+  const auto [target_parts, max_parts] = plan_parts(bs, s_q, h_q, info);
   at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))},
                               seqlens.options().dtype(at::kInt));
   PlanParams pp{};
@@ -193,7 +200,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
                    const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
-                   const c10::optional<at::Tensor>& kpe_heads) {
+                   const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan_in) {
   // device
   if (!q.is_cuda()) fail_value("q must be on a GPU, got " + q.device().str());
   const at::Device dev = q.device();
@@ -286,7 +293,28 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   const int64_t rows = s_q * h_q;
   const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value());
   auto stream = at::cuda::getCurrentCUDAStream(device).stream();
-  const Planned pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream);
+  // the split plan: made here (the planner launch), or passed in from the
+  // plan op (planned beforehand, once for every call with these lengths)
+  Planned pl;
+  if (plan_in.has_value()) {
+    const at::Tensor& pt = *plan_in;
+    const DeviceAttnInfo& pinfo = device_attn_info(device);  // what the plan op plans with
+    if (pinfo.kind != info.kind || pinfo.kernel.tile != info.kernel.tile ||
+        pinfo.kernel.rows_per_block != info.kernel.rows_per_block ||
+        pinfo.kernel.blocks_per_sm != info.kernel.blocks_per_sm)
+      fail_value("plan: the plan op plans for the kernel of dv 512 with 64 rope columns in the key; this call "
+                 "(dv=" + num(dv) + ", rope in key=" + num(rope_in_key) + ", rope_cs " +
+                 (rope_cs.has_value() ? "given" : "none") +
+                 ") runs a kernel that splits the work differently (tile, rows per block or blocks per SM): pass no plan");
+    check_device(pt, "plan", dev);
+    check_dtype(pt, "plan", at::kInt);
+    check_contiguous(pt, "plan");
+    const int64_t size = plan_size(static_cast<int>(bs), static_cast<int>(plan_parts(bs, s_q, h_q, info).second));
+    check_shape(pt, "plan", {size}, ("[" + num(size) + "] (plan(seqlens, s_q, h_q, capacity) for this call)").c_str());
+    pl = {pt, plan_parts(bs, s_q, h_q, info).second};
+  } else {
+    pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream);
+  }
   const int64_t max_parts = pl.max_parts;
   at::Tensor plan = pl.plan;
 
@@ -389,13 +417,15 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& block_table,
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
                                              bool causal, const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
-                                             const c10::optional<at::Tensor>& kpe_heads) {
+                                             const c10::optional<at::Tensor>& kpe_heads,
+                                             const c10::optional<at::Tensor>& plan) {
   if (q.dim() != 4) fail_value("q must have shape [bs, s_q, h_q, d], got " + shape_str(q));
   if (shape_index(head_dim_v, 0) < 0)
     fail_value("unsupported head_dim_v=" + num(head_dim_v) + "; " + kAttnShapesSupported);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), head_dim_v}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe, head_dim_v, kpe_heads);
+  attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe, head_dim_v, kpe_heads,
+                plan);
   return {out, lse};
 }
 
@@ -462,12 +492,12 @@ std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {
 TORCH_LIBRARY(mla_decode, m) {
   m.def(
       "attention(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
-      "float softmax_scale, bool causal, Tensor? kpe=None, int head_dim_v=512, Tensor? kpe_heads=None) "
-      "-> (Tensor, Tensor)");
+      "float softmax_scale, bool causal, Tensor? kpe=None, int head_dim_v=512, Tensor? kpe_heads=None, "
+      "Tensor? plan=None) -> (Tensor, Tensor)");
   m.def(
       "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
       "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None, int head_dim_v=512, "
-      "Tensor? kpe_heads=None) -> ()");
+      "Tensor? kpe_heads=None, Tensor? plan=None) -> ()");
   m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
   m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity) -> Tensor");
 }

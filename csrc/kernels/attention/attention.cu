@@ -482,6 +482,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
     p.plan[0] = carry;
     p.plan[1] = per_part;
     p.plan[plan_counter(p.bs, p.max_parts)] = 0;
+    p.plan[plan_counter(p.bs, p.max_parts) + 1] = 0;
   }
 }
 

@@ -850,6 +850,17 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   item = s_next[0];
   if (item < 0) break;
   }  // work items
+  // Every block has taken its last item (thread 0 did every grab): the last
+  // block to get here resets the work counter, so that the plan can serve
+  // another call with the same lengths (attention(plan=)).
+  if (p.ctas > 0 && tid == 0) {
+    int32_t* ctr = const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts);
+    __threadfence();
+    if (atomicAdd(ctr + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(ctr, 0);
+      atomicExch(ctr + 1, 0);
+    }
+  }
   wg::bulk_wait_all();
 #else
   __trap();  // built without sm_90a: the host never selects this kernel then

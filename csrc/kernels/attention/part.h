@@ -29,7 +29,7 @@ MLA_DEVICE bool read_part(const AttnParams& p, int part, Part& out) {
   out.split = a.w;
   out.nsplit = c.x;
   out.first_part = c.y;
-  out.L = c.z;
+  out.L = min(c.z, p.max_len);  // (the planner clamped it to its capacity; a plan passed in is held to the call's)
   return true;
 }
 

@@ -11,6 +11,9 @@
 //                                    dependent reads of the lengths and the sequence table)
 //   plan[plan_counter(bs, max_parts)] work counter of the persistent Hopper kernel (0 after
 //                                    the planner; its blocks take their next item from it)
+//   plan[plan_counter(...) + 1]      blocks of that kernel done; the last one to finish sets
+//                                    both back to 0, so the same plan serves the next call
+//                                    with the same lengths (as FlashMLA's metadata)
 //
 // A part is a contiguous range of key tiles of one sequence; a sequence of
 // length 0 still gets one (empty) part so that its output is written.
@@ -24,7 +27,7 @@ constexpr int kPlanSeqBase = 2;
 constexpr int kPartInts = 8;
 MLA_HOST_DEVICE constexpr int plan_part_base(int bs) { return (kPlanSeqBase + 2 * bs + 7) / 8 * 8; }  // 32-byte aligned
 MLA_HOST_DEVICE constexpr int plan_counter(int bs, int max_parts) { return plan_part_base(bs) + kPartInts * max_parts; }
-MLA_HOST_DEVICE constexpr int plan_size(int bs, int max_parts) { return plan_counter(bs, max_parts) + 1; }
+MLA_HOST_DEVICE constexpr int plan_size(int bs, int max_parts) { return plan_counter(bs, max_parts) + 2; }
 
 struct PlanParams {
   const int32_t* seqlens;  // [bs]
