@@ -182,7 +182,9 @@ MLA_DEVICE void mask_scale_max(float (&s)[32], int key0, int t4, int lim0, int l
 }
 
 // s <- exp2(s - m) (fp32, kept), pa <- bf16 pairs of it; returns the row sums
-// of what P V multiplies (the bf16 values).
+// of the fp32 values (as FlashAttention does). With the lazy row reference
+// (lazy_max) the largest P of a row is no longer exactly 1, so summing the
+// bf16 values would put its rounding (up to 2^-9) into l and the LSE.
 template <bool kF16>
 MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1, float& sum0, float& sum1) {
   const float mu0 = m0 == neg_inf() ? 0.f : m0, mu1 = m1 == neg_inf() ? 0.f : m1;
@@ -195,7 +197,7 @@ MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1,
     s[i] = fast_exp2(s[i] - mu);
     s[i + 1] = fast_exp2(s[i + 1] - mu);
     const uint32_t w2 = Half16<kF16>::pack2(s[i], s[i + 1]);
-    const float s2 = Half16<kF16>::lo(w2) + Half16<kF16>::hi(w2);
+    const float s2 = s[i] + s[i + 1];  // the fp32 values (see exp_pack's comment)
     if (hi) sum1 += s2; else sum0 += s2;
     pa[i / 2] = w2;
   }
@@ -205,6 +207,16 @@ MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1,
     sum1 += __shfl_xor_sync(0xffffffffu, sum1, off);
   }
 }
+
+// The row's reference for exp2 after a tile whose row max is mx: the
+// running reference m unless mx exceeds it by more than kLazyMax (log2
+// units), then mx. P = exp2(s - ref) stays <= 2^kLazyMax (bf16/fp16 and
+// the fp32 sums hold that), and the output and LSE are exact for any
+// reference, so O is rescaled only when the maximum jumps (after the first
+// tile of a row, rarely), not at every small increase. (-inf - -inf is NaN:
+// a row that has seen only masked keys keeps -inf.)
+constexpr float kLazyMax = 8.f;
+MLA_DEVICE float lazy_max(float m, float mx) { return mx - m > kLazyMax ? mx : m; }
 
 // Factor that moves an accumulation at max `from` to max `to` (to >= from).
 // A row that has seen nothing yet (from == -inf) holds zeros: factor 0.
@@ -676,7 +688,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       float mx0, mx1;
       add_scores(s, jp);
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
-      const float n0 = fmaxf(m_a, mx0), n1 = fmaxf(m_b, mx1);
+      const float n0 = lazy_max(m_a, mx0), n1 = lazy_max(m_b, mx1);
       if (t4 == 0) {
         s_m[r0] = n0;
         s_m[r1] = n1;
@@ -743,7 +755,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       add_scores(s, jp);
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
-      const float n0 = fmaxf(s_m[r0], mx0), n1 = fmaxf(s_m[r1], mx1);
+      const float n0 = lazy_max(s_m[r0], mx0), n1 = lazy_max(s_m[r1], mx1);
       if (t4 == 0) {
         s_m[r0] = n0;
         s_m[r1] = n1;
