@@ -16,7 +16,9 @@
 //        O_R += (P0 exp(m0 - m1)) V0R                            (P0 from shared memory)
 //   WG0: O_L = O_L * exp(m0 - m1) + P1 V1L                        (P1 from shared memory)
 // so one warpgroup's softmax runs while the other's matrix products do, and
-// the next pair's S is issued while the last P V is still in flight.
+// the next pair's S is issued while the last P V is still in flight. ("max"
+// above is lazy_max: m moves only when a tile's row max exceeds it by more
+// than kLazyMax, so most pairs rescale nothing.)
 //
 // Shared memory: Q, K0, K1 (64 rows x (NB + 1) 128B-swizzled 64-column
 // blocks) and a few hundred bytes. P0 and P1 live in column block NB (the
