@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 import threading
 import warnings
 import weakref
@@ -168,13 +169,16 @@ def _weight_layout(w):
 
 
 _CONFIG_DIMS = ("n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dim")
+_dims_of = operator.attrgetter(*_CONFIG_DIMS)
+_weights_of = operator.attrgetter(*_WEIGHTS)
 
 
 class _LastCall:
     """The last graphed call: its inputs as validate() passed them (the
-    weights' layouts, as its _WeightStamp holds them; the cache tensor by
-    weak reference and layout; x's layout; the config's dims as given) and
-    what was derived from them (dims, rope tables, cache state, captured
+    config's dims as given; the cache tensor by weak reference; the layouts
+    of x, the cache and the five weights, in a C++ LayoutStamp: shape,
+    strides, dtype, device, and the address of the cache and the weights)
+    and what was derived from them (dims, rope tables, cache state, captured
     step). A call whose inputs compare equal on all of these would pass the
     same checks and derive the same things, so MLADecoder replays the step
     at once. The weights' identity and values do not enter: the checks read
@@ -183,28 +187,24 @@ class _LastCall:
     them, take this path too). Anything else, including every input error,
     takes the full path."""
 
-    __slots__ = ("cfg_dims", "stamp", "data", "data_layout", "x_shape", "device", "dims", "tables", "st", "step")
+    __slots__ = ("cfg_dims", "stamp", "data", "layouts", "dims", "tables", "st", "step")
 
     def __init__(self, config, x, data, dims, stamp, tables, st, step):
-        self.cfg_dims = tuple(getattr(config, n) for n in _CONFIG_DIMS)
+        self.cfg_dims = _dims_of(config)
         self.stamp = stamp
         self.data = weakref.ref(data)
-        self.data_layout = (data.shape, data.stride(), data.dtype, data.device)
-        self.x_shape = x.shape
-        self.device = x.device
+        self.layouts = _ext_module().LayoutStamp([x, data, *_weights_of(config)], [False] + [True] * 6)
         self.dims, self.tables, self.st, self.step = dims, tables, st, step
 
     def matches(self, config, x, data) -> bool:
-        if not isinstance(x, torch.Tensor) or data is None or self.data() is not data:
+        if data is None or self.data() is not data:
             return False
-        if (x.shape != self.x_shape or x.dtype != torch.bfloat16 or x.device != self.device
-                or not x.is_contiguous()):
+        try:
+            if _dims_of(config) != self.cfg_dims:
+                return False
+            return self.layouts.matches([x, data, *_weights_of(config)])
+        except (AttributeError, TypeError):  # a field missing, or not a tensor: the full path says which
             return False
-        if (data.shape, data.stride(), data.dtype, data.device) != self.data_layout:
-            return False
-        if tuple(getattr(config, n, None) for n in _CONFIG_DIMS) != self.cfg_dims:
-            return False
-        return self.stamp.weights_match(config)
 
 
 _MAX_CACHES = 4
@@ -248,29 +248,42 @@ class _CacheState:
 class _GraphStep:
     """One captured step: static x, seqlens and y buffers around a graph of
     MLADecoder._core. A call copies x in, replays, and returns a copy of y
-    (the caller owns it; the next replay cannot touch it). The graph's last
-    node advances seqlens by one, so consecutive steps on one cache need no
-    host write of the length; any other length is written before the replay.
-    Calls on one cache must be ordered on one stream, as eager calls must."""
+    as [bs, 1, dim] (the caller owns it; the next replay cannot touch it).
+    The graph's last node advances seqlens by one, so consecutive steps on
+    one cache need no host write of the length; any other length is written
+    before the replay. Calls on one cache must be ordered on one stream, as
+    eager calls must. Where PyTorch gives the instantiated graph
+    (CUDAGraph.raw_cuda_graph_exec), the copies and the launch are one C++
+    call (mla_decode._C.StepLauncher); the graph holds no random-number
+    kernels, so PyTorch's per-replay generator bookkeeping has nothing to do."""
 
     def __init__(self, run, dims, device):
         self.x = torch.zeros(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
         self.seqlens = torch.ones(dims.bs, dtype=torch.int32, device=device)
         self.y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
-        self.next_len = None  # what seqlens holds after the last replay
+        self.y_shape = (dims.bs, 1, dims.dim)
+        self.next_len = None  # what seqlens holds after the last replay (Python path)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             run(self.x, self.seqlens, self.y)
             self.seqlens.add_(1)
+        raw = getattr(self.graph, "raw_cuda_graph_exec", None)
+        self.launcher = (_ext_module().StepLauncher(raw(), self.x, self.y, self.seqlens, list(self.y_shape))
+                         if raw is not None else None)
 
-    def __call__(self, x2, L):
+    def __call__(self, x, L):
+        if self.launcher is not None:
+            y = self.launcher.launch(x, L)
+            if y is None:
+                raise RuntimeError("mla_decode: a captured step cannot run while the stream is capturing")
+            return y
         copy = _ext_module().copy_async
-        copy(self.x, x2)
+        copy(self.x, x)
         if L != self.next_len:
             self.seqlens.fill_(L)
         self.graph.replay()
         self.next_len = L + 1
-        y = torch.empty_like(self.y)
+        y = torch.empty(self.y_shape, dtype=self.y.dtype, device=self.y.device)
         copy(y, self.y)
         return y
 
@@ -378,7 +391,7 @@ class MLADecoder:
             if self.graphs and not torch.cuda.is_current_stream_capturing():
                 step = self._graph_step(st, config, dims, data, tables)
         if step is not None:
-            y = step(x2, pos + 1)
+            y = step(x, pos + 1)
             self.last_graphed = True
             self._last = _LastCall(config, x, data, dims, self._stamp, tables, st, step)
         else:
@@ -401,16 +414,24 @@ class MLADecoder:
         pos = getattr(kv_cache, "seq_len", None)
         if not (isinstance(pos, int) and 0 <= pos < last.dims.max_seq_len):
             return None
-        if not last.matches(config, x, data) or torch.cuda.is_current_stream_capturing():
+        if not last.matches(config, x, data):
             return None
-        dims, st = last.dims, last.st
-        st.ready(data, pos, last.tables, dims.kv_lora)
-        y = last.step(x.view(dims.bs, dims.dim), pos + 1)
+        dims, st, step = last.dims, last.st, last.step
+        if step.launcher is None:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            st.ready(data, pos, last.tables, dims.kv_lora)
+            y = step(x, pos + 1)
+        else:
+            st.ready(data, pos, last.tables, dims.kv_lora)  # what the full path would do first, capturing or not
+            y = step.launcher.launch(x, pos + 1)
+            if y is None:  # the stream is capturing: the full path runs the step eagerly into the capture
+                return None
         st.stepped(data, pos + 1)
         kv_cache.seq_len = pos + 1
         self.last_backend = "kernels"
         self.last_graphed = True
-        return y.view(dims.bs, 1, dims.dim), data
+        return y, data
 
     def forget_caches(self):
         """Drop what the decoder keeps per cache (rotated keys, captured

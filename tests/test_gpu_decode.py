@@ -204,3 +204,54 @@ def test_repeated_call_rechecks_every_input():
     ye, _ = de(cfg2, x, kv_e)
     assert dg._last is last, "new objects at the same addresses did not take the replay path"
     assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
+
+
+def test_replay_follows_moved_storage_and_new_x():
+    """The repeated-call fast path pins the cache's address (the captured
+    step writes the new row there): a cache tensor given new storage in
+    place (same object, same shape) must not be written through the old
+    address, and x may sit at a new address on every call (it is copied in)."""
+    config, x, kv = generate_input(batch_size=4, prefill=20, max_seq_len=40, seed=43, device="cuda")
+    kv_e = kv.clone()
+    dg = mla_decode.MLADecoder(backend="kernels")
+    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
+    for _ in range(3):
+        x = x.clone()  # a new address each call
+        yg, _ = dg(config, x, kv)
+        ye, _ = de(config, x, kv_e)
+        assert torch.equal(yg, ye)
+    assert dg.last_graphed
+    fresh = kv.data.clone()
+    kv.data.set_(fresh.untyped_storage(), fresh.storage_offset(), fresh.shape, fresh.stride())
+    yg, _ = dg(config, x, kv)  # the same object, now over new storage
+    ye, _ = de(config, x, kv_e)
+    assert torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
+    assert kv.data.data_ptr() == fresh.data_ptr()
+
+
+def test_decoder_call_inside_a_user_capture():
+    """A call made while the user's stream is capturing (after graphed calls,
+    so the fast path is armed) runs the step eagerly into the user's graph;
+    replaying that graph does what the eager step does."""
+    config, x, kv = generate_input(batch_size=4, prefill=20, max_seq_len=40, seed=44, device="cuda")
+    kv_e = kv.clone()
+    dg = mla_decode.MLADecoder(backend="kernels")
+    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
+    for _ in range(3):
+        dg(config, x, kv)
+        de(config, x, kv_e)
+    assert dg.last_graphed
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg, _ = dg(config, x, kv)
+    assert not dg.last_graphed
+    g.replay()
+    ye, _ = de(config, x, kv_e)
+    torch.cuda.synchronize()
+    assert torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
+    # and the decoder's own graphs serve the calls after it
+    for _ in range(3):
+        yg, _ = dg(config, x, kv)
+        ye, _ = de(config, x, kv_e)
+    assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)

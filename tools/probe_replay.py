@@ -1,4 +1,6 @@
-"""Where the harness-style wall time of a graphed decoder call goes: device events around the replay inside the call.
+"""Where the harness-style wall time of a graphed decoder call goes: device events around the step's launch
+(the C++ launcher's x copy, graph launch and y copy; or the graph's replay where PyTorch lacks
+CUDAGraph.raw_cuda_graph_exec) inside the call.
 
     python3 tools/probe_replay.py PREFILL
 """
@@ -21,19 +23,29 @@ entry = next(iter(dec._graphs.values()))
 rec = {}
 
 
-class G:  # the captured graph, with events around its replay
-    def __init__(self, g):
-        self.g = g
+class G:  # the captured step's launch (C++ launcher: x in, graph, y out; else the graph's replay), with events around it
+    def __init__(self, inner, name):
+        self.inner, self.name = inner, name
 
-    def replay(self):
-        rec["t1"] = time.perf_counter()
-        e1 = torch.cuda.Event(enable_timing=True); e1.record()
-        self.g.replay()
-        e2 = torch.cuda.Event(enable_timing=True); e2.record()
-        rec["e1"], rec["e2"] = e1, e2
+    def __getattr__(self, attr):
+        fn = getattr(self.inner, attr)
+        if attr != self.name:
+            return fn
+
+        def timed(*args):
+            rec["t1"] = time.perf_counter()
+            e1 = torch.cuda.Event(enable_timing=True); e1.record()
+            out = fn(*args)
+            e2 = torch.cuda.Event(enable_timing=True); e2.record()
+            rec["e1"], rec["e2"] = e1, e2
+            return out
+        return timed
 
 
-entry.graph = G(entry.graph)
+if getattr(entry, "launcher", None) is not None:
+    entry.launcher = G(entry.launcher, "launch")
+else:
+    entry.graph = G(entry.graph, "replay")
 
 
 def run(fn, n=40):
@@ -51,9 +63,10 @@ def run(fn, n=40):
     return [statistics.median(c) for c in zip(*rows)]
 
 
-x2 = x.view(128, -1)
+launch = (lambda: entry.launcher.launch(x, kv.seq_len + 1)) if getattr(entry, "launcher", None) is not None \
+    else (lambda: entry.graph.replay())
 for name, fn in (("whole decoder call", lambda: dec(config, x, kv)),
-                 ("entry call", lambda: entry(x2, kv.seq_len + 1)),
-                 ("replay alone", lambda: entry.graph.replay())):
+                 ("entry call", lambda: entry(x, kv.seq_len + 1)),
+                 ("launch alone", launch)):
     w, hpre, dpre, drep, dpost = run(fn)
     print(f"{name:<20} wall {w:7.1f} | host to replay {hpre:6.1f} | events: start->replay {dpre:6.1f} replay {drep:7.1f} after {dpost:6.1f} us")

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "ops.h"
+#include "step_launcher.h"
 
 #ifndef MLA_BUILD_ARCHS
 #define MLA_BUILD_ARCHS "unknown"
@@ -26,4 +27,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_async", &mla::api::copy_async, py::arg("dst"), py::arg("src"),
         "dst <- src on the current stream (same dtype and size, contiguous, one GPU)");
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));
+  mla::api::bind_step_launcher(m);
 }

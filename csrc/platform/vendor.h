@@ -56,6 +56,34 @@ inline const char* memcpy_d2d_async(void* dst, const void* src, size_t n, stream
 #endif
 }
 
+// Launch an instantiated graph (a cudaGraphExec_t / hipGraphExec_t passed as
+// an integer handle, as torch.cuda.CUDAGraph.raw_cuda_graph_exec() gives it)
+// on `stream`. Error string or nullptr.
+inline const char* graph_launch(uintptr_t exec, stream_t stream) {
+#if MLA_AMD
+  hipError_t e = hipGraphLaunch(reinterpret_cast<hipGraphExec_t>(exec), stream);
+  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+#else
+  cudaError_t e = cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), stream);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
+// Whether `stream` is capturing a graph (*capturing). Error string or nullptr.
+inline const char* stream_capturing(stream_t stream, bool* capturing) {
+#if MLA_AMD
+  hipStreamCaptureStatus st = hipStreamCaptureStatusNone;
+  hipError_t e = hipStreamIsCapturing(stream, &st);
+  *capturing = st != hipStreamCaptureStatusNone;
+  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+#else
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &st);
+  *capturing = st != cudaStreamCaptureStatusNone;
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
 // Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA).
 // Returns an error string or nullptr.
 template <typename Kernel>
