@@ -89,6 +89,25 @@ def test_attention_heads_and_causal(h_q, s_q):
     check(out, lse, ro, rl, f"h_q={h_q} s_q={s_q} causal")
 
 
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_one_key_last_pair(rope, s_q):
+    """Lengths of 128 k + 1 (every task length): the Hopper kernel adds a last
+    pair's only key on the CUDA cores after its pair loop. Mixed with split
+    sequences (the key in their last part), L = 1 (no pair at all), and last
+    keys scaled up so that their scores move the running max far (the
+    rescaling path of that step)."""
+    lens = [1, 129, 513, 2049, 4097, 1, 257, 8193, 641, 385]
+    q, kv, seqlens = make_case(lens, s_q=s_q, max_seq=8200, seed=77 + s_q + 2 * rope)
+    for b in (1, 2, 5, 8):
+        kv[b, lens[b] - 1] *= 6
+    cs = rope_table(kv.shape[1], device="cuda") if rope else None
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, causal=s_q > 1, out=out, lse=lse)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07, rope_cs=cs, causal=s_q > 1)
+    check(out, lse, ro, rl, f"one-key last pair rope={rope} s_q={s_q}")
+
+
 def make_paged(lens, block_size, h_q=128, s_q=1, seed=0, dtype=torch.bfloat16):
     """Pages [num_blocks, block_size, 576] in a random order; NaN in every
     unused page, every row past a sequence's length, and an invalid id
@@ -265,7 +284,7 @@ def test_attention_graph_capture_replays_new_lengths():
         check(out, lse, ro, rl, f"graph replay with lengths {lens}")
 
 
-@pytest.mark.parametrize("lens", [[1, 64, 65, 777], [4097] * 3, [0, 300, 2049]])
+@pytest.mark.parametrize("lens", [[1, 64, 65, 777], [4097] * 3, [0, 300, 2049], [513, 129, 1, 8193]])
 def test_separate_rotated_rope_keys_give_the_on_the_fly_bits(lens):
     """kpe (the decoder's rotated copy of the keys' rope columns, a separate
     buffer with its own strides) must give exactly what rotating on the fly

@@ -107,9 +107,11 @@ struct PairTile {
   // narrower keys take two, which hides a whole pair's time of load latency.
   static constexpr int kStages = kDv == 512 ? 1 : 2;
   static constexpr int kIdRing = kStages + 2;            // pairs of block-table ids held in shared memory
+  // a work item's last key when it is alone in its pair (see the kernel's tail): its row, its scores
+  static constexpr int kTailBytes = kBlocks * 128 + kM * 4;
   static constexpr int kSmem = 1024 /*alignment*/ + (1 + 2 * kStages) * kMatBytes + 3 * kM * 4 /*sM, sL*/ +
                                (4 * kStages + 2) * 8 /*mbarriers*/ + kIdRing * kTileKeys * 4 /*page ids*/ +
-                               16 /*next work item*/;
+                               16 /*next work item*/ + kTailBytes;
   // the epilogue stages O (bf16, or fp32 partials) in the key buffers, rows
   // padded by 8 elements: conflict-free stores, 16-byte aligned rows
   static constexpr int kOutRowBytes(int elt) { return (kDv + 8) * elt; }
@@ -282,6 +284,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   uint64_t* qbar = mb + 4 * kStages;
   int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4 * kStages + 2);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
   int* s_next = reinterpret_cast<int*>(ids_s + T::kIdRing * T::kTileKeys);  // the block's next work item
+  unsigned char* tail_s = reinterpret_cast<unsigned char*>(s_next + 4);  // the tail key's row (16-byte aligned)
+  float* s_t = reinterpret_cast<float*>(tail_s + T::kBlocks * 128);        // its scores, per row [64]
 
   const int tid = thread_x();
   // warpgroup index, made visibly warp-uniform for the compiler (a per-thread
@@ -590,6 +594,54 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   L = pt.L;
   npairs = pt.tile_end - pt.tile_begin;
   row_base = (item % hblocks) * kRB;
+  // The tail: a last pair holding ONE key (L mod 128 = 1: every task length)
+  // is not run through the pair loop, whose matrix products, loads and
+  // barriers cost a full pair's time for it (measured: 9-11 us per block of
+  // two items at L 513, against 3-7 for FlashMLA). Its row is read in the
+  // prologue, warpgroup 1 computes its scores there (Q is in shared memory
+  // until the last pair prefetches the next item's), and after the loop
+  // both warpgroups add it to their O columns on the CUDA cores: one more
+  // online-softmax step of one key, with the same lazy max and rounding.
+  // (dv 512, bf16, shared rope keys: the task's paths.)
+  const bool tail = kDv == 512 && !kF16 && !kPH && npairs > 0 &&
+                    L - (pt.tile_begin + npairs - 1) * T::kTileKeys == 1;
+  if (tail) --npairs;
+  uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
+  if (tail && wg == 0 && t < T::kBlocks * 8) {
+    const int key = L - 1;
+    const bf16_t* row = paged ? p.kv + static_cast<int64_t>(p.block_table[b * p.block_table_stride + key / p.page_size]) *
+                                           p.kv_page_stride +
+                                    static_cast<int64_t>(key % p.page_size) * p.kv_row_stride
+                              : p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
+    if (t < kNB * 8) {
+      tail_chunk = *reinterpret_cast<const uint4*>(row + 8 * t);
+    } else if (t - kNB * 8 < rope_chunks) {  // (columns past the rope width: zeros, as in the key buffers)
+      const int c = t - kNB * 8;
+      if (rope) {  // rotated here as rotate_half rotates a key buffer: chunk c pairs with chunk c ^ 4
+        const int j = c & 3;
+        const uint4 x1 = *reinterpret_cast<const uint4*>(row + dvm + 8 * j);
+        const uint4 x2 = *reinterpret_cast<const uint4*>(row + dvm + 8 * (j + 4));
+        const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
+        const uint4 cw = cs[j], sw = cs[4 + j];
+        const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&x1);
+        const uint32_t* a2 = reinterpret_cast<const uint32_t*>(&x2);
+        const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
+        const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
+        uint32_t* out = reinterpret_cast<uint32_t*>(&tail_chunk);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float u1l = bf16_lo(a1[w]), u1h = bf16_hi(a1[w]), u2l = bf16_lo(a2[w]), u2h = bf16_hi(a2[w]);
+          const float cl = bf16_lo(cc[w]), ch = bf16_hi(cc[w]), sl = bf16_lo(ss[w]), sh = bf16_hi(ss[w]);
+          out[w] = c < 4 ? pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh))
+                         : pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
+        }
+      } else {
+        const bf16_t* src = p.kpe == nullptr ? row + dvm + 8 * c
+                                             : p.kpe + b * p.kpe_batch_stride + static_cast<int64_t>(key) * p.kpe_row_stride + 8 * c;
+        tail_chunk = *reinterpret_cast<const uint4*>(src);
+      }
+    }
+  }
 
   // ---- Q (by TMA: issued here or prefetched during the previous item's last
   // pair; else all threads by cp.async, the previous item's S products done), then pair 0
@@ -629,6 +681,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     wg::mbar_wait(qbar, nitem & 1);
   else
     copy_wait<0>();  // Q (the committed group)
+  if (tail && wg == 0 && t < T::kBlocks * 8) *reinterpret_cast<uint4*>(tail_s + 16 * t) = tail_chunk;
   wg::fence_proxy_async();
   sync_threads();
 
@@ -637,6 +690,34 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   if (p.causal) {
     lim0 = min(L, L - (p.s_q - 1 - (row_base + r0) / p.h_q));
     lim1 = min(L, L - (p.s_q - 1 - (row_base + r1) / p.h_q));
+  }
+  if (tail && wg == 1) {  // the tail key's scores (log2 units, masked), rows r0 / r1; a quad splits the 72 chunks
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll 2
+    for (int u = 0; u < T::kBlocks * 2; ++u) {
+      const int j = t4 + 4 * u, blk = j / 8, c = j % 8;
+      const uint4 kw = *reinterpret_cast<const uint4*>(tail_s + 16 * j);
+      const uint4 qw0 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r0 * 128 + ((c ^ (r0 & 7)) << 4));
+      const uint4 qw1 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r1 * 128 + ((c ^ (r1 & 7)) << 4));
+      const uint32_t* k32 = reinterpret_cast<const uint32_t*>(&kw);
+      const uint32_t* q0 = reinterpret_cast<const uint32_t*>(&qw0);
+      const uint32_t* q1 = reinterpret_cast<const uint32_t*>(&qw1);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float kl = bf16_lo(k32[w]), kh = bf16_hi(k32[w]);
+        a0 = fmaf(bf16_lo(q0[w]), kl, fmaf(bf16_hi(q0[w]), kh, a0));
+        a1 = fmaf(bf16_lo(q1[w]), kl, fmaf(bf16_hi(q1[w]), kh, a1));
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      a0 += __shfl_xor_sync(0xffffffffu, a0, off);
+      a1 += __shfl_xor_sync(0xffffffffu, a1, off);
+    }
+    if (t4 == 0) {
+      s_t[r0] = L - 1 >= lim0 ? neg_inf() : a0 * p.scale_log2;
+      s_t[r1] = L - 1 >= lim1 ? neg_inf() : a1 * p.scale_log2;
+    }
   }
   float o[T::kORegs];
 #pragma unroll
@@ -794,6 +875,30 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
   }
 
+  if (tail) {  // the tail key (see above): one more online-softmax step, on the CUDA cores
+    sync_threads();  // its scores (warpgroup 1, prologue) -> warpgroup 0
+    const float v0 = s_t[r0], v1 = s_t[r1];
+    const float n0 = lazy_max(m_a, v0), n1 = lazy_max(m_b, v1);
+    const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
+    const float e0 = fast_exp2(v0 - (n0 == neg_inf() ? 0.f : n0)), e1 = fast_exp2(v1 - (n1 == neg_inf() ? 0.f : n1));
+    // every row sum covers both warpgroups' keys once: warpgroup 0 adds this one
+    l_a = l_a * c0 + (wg == 0 ? e0 : 0.f);
+    l_b = l_b * c1 + (wg == 0 ? e1 : 0.f);
+    m_a = n0;
+    m_b = n1;
+    scale_rows(o, c0, c1);
+    const float pb0 = round_bf16(e0), pb1 = round_bf16(e1);  // P in bf16, as the P V products take it
+    const unsigned char* vrow = tail_s + (T::kN * wg + 2 * t4) * 2;
+#pragma unroll
+    for (int jn = 0; jn < T::kN / 8; ++jn) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 16 * jn);
+      const float x0 = bf16_lo(w), x1 = bf16_hi(w);
+      o[4 * jn] = fmaf(pb0, x0, o[4 * jn]);
+      o[4 * jn + 1] = fmaf(pb0, x1, o[4 * jn + 1]);
+      o[4 * jn + 2] = fmaf(pb1, x0, o[4 * jn + 2]);
+      o[4 * jn + 3] = fmaf(pb1, x1, o[4 * jn + 3]);
+    }
+  }
   // ---- both warpgroups hold O and l at the same final max: add the row sums
   if (t4 == 0) {
     s_l[wg * T::kM + r0] = l_a;
