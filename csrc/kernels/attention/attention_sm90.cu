@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
             for (int kk = 0; kk < 2; ++kk)
               wg::tma_load_3d(dst + kNB * T::kBlockBytes + kk * 32 * 128, &maps.sc, key0 + 32 * kk, row_base, b, mbp);
         } else if (with8 && p.kpe != nullptr) {
-          wg::tma_load_3d(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp);
+          wg::tma_load_3d_hint(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp, wg::l2_evict_first_policy());
         }
         for (int k = key0; k < key0 + T::kHalf; k += maps.rows) {  // one box of `rows` keys per column block
           int row = k, page = b;
@@ -414,9 +414,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
             row = k % p.page_size;
           }
           unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
-          for (int bk = blo; bk < bend; ++bk) wg::tma_load_3d(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp);
+          for (int bk = blo; bk < bend; ++bk)
+            wg::tma_load_3d_hint(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
           if (!kPH && with8 && p.kpe == nullptr)
-            wg::tma_load_3d(d + kNB * T::kBlockBytes, &maps.kv, dvm, row, page, mbp);
+            wg::tma_load_3d_hint(d + kNB * T::kBlockBytes, &maps.kv, dvm, row, page, mbp, wg::l2_evict_first_policy());
         }
       } else {
         wg::mbar_arrive(mbp);
