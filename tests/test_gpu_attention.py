@@ -59,7 +59,7 @@ def test_attention_lengths(L, bs, rope):
     check(out, lse, ro, rl, f"L={L} bs={bs} rope={rope}")
 
 
-@pytest.mark.parametrize("L", [65, 777, 4097])
+@pytest.mark.parametrize("L", [1, 2, 63, 64, 65, 513, 777, 4097, 8192])
 def test_attention_bs128(L):
     q, kv, seqlens = make_case([L] * 128, max_seq=L + 3, seed=L)
     cs = rope_table(kv.shape[1], device="cuda")
