@@ -61,7 +61,9 @@ def stages(bs):
         ("query (+ RoPE and cache append kernel)", nb["query"], query),
         ("output", nb["output"], lambda: projections.output(o_lat, wkv[:, nope:].transpose(1, 2),
                                                             config.wo_weight, obuf, y)),
-        ("output: wo GEMM alone", 2 * config.wo_weight.numel(),
+        ("output: wo GEMM alone (as the step runs it)", 2 * config.wo_weight.numel(),
+         lambda: projections.gemm(obuf.view(bs, -1), config.wo_weight, y, lt=True)),
+        ("output: wo GEMM alone, PyTorch's default BLAS", 2 * config.wo_weight.numel(),
          lambda: projections.gemm(obuf.view(bs, -1), config.wo_weight, y)),
     ]
 
@@ -78,7 +80,7 @@ def main():
     copy = copy_bandwidth_gbs()
     print(f"# bench_projections | device: {device_name()} | measured copy bandwidth {copy:.0f} GB/s "
           "(read + write)")
-    print(f"{'bs':>4} {'stage':<44} {'GEMM':<7} {'weight MB':>9} {'us':>8} {'GB/s':>7} {'% copy BW':>9}")
+    print(f"{'bs':>4} {'stage':<48} {'GEMM':<7} {'weight MB':>9} {'us':>8} {'GB/s':>7} {'% copy BW':>9}")
     rows = []
     saved = os.environ.get("MLA_DECODE_GEMM")
     for bs in args.bs:
@@ -95,7 +97,7 @@ def main():
                 gbs = nbytes / us / 1e3
                 rows.append(dict(bs=bs, stage=name, gemm=gemm, weight_bytes=nbytes, us=us, gbs=gbs,
                                  pct_copy=100 * gbs / copy))
-                print(f"{bs:>4} {name:<44} {gemm:<7} {nbytes / 1e6:>9.1f} {us:>8.1f} {gbs:>7.0f} "
+                print(f"{bs:>4} {name:<48} {gemm:<7} {nbytes / 1e6:>9.1f} {us:>8.1f} {gbs:>7.0f} "
                       f"{100 * gbs / copy:>9.1f}", flush=True)
             torch.cuda.empty_cache()
     if saved is None:
