@@ -5,8 +5,9 @@ The products run on the vendor BLAS through PyTorch (cuBLAS; hipBLASLt or
 rocBLAS on AMD); on NVIDIA the wo product asks PyTorch for cuBLASLt while it
 is enqueued (``gemm(..., lt=True)``; measured on an H200 at bs 128: 62.1
 against 69.3 us, 90% of copy bandwidth; the other products are no faster
-there; MLA_DECODE_BLASLT=0 turns it off). Our Hopper skinny GEMM (torch.ops.mla_decode.gemm_nt:
-wgmma + TMA, split-K in a thread-block cluster) takes the products that
+there; MLA_DECODE_BLASLT=0 turns it off). Our Hopper skinny GEMM
+(torch.ops.mla_decode.gemm_nt: wgmma + TMA, split-K in a thread-block
+cluster) takes the products that
 stream a weight when MLA_DECODE_GEMM=sm90 on a Hopper build on a Hopper GPU;
 measured side by side it is not faster than cuBLAS at the task's shapes
 (README), so it is not the default. ``gemm_path`` says which runs and why.
