@@ -246,30 +246,48 @@ class _CacheState:
 
 
 class _GraphStep:
-    """One captured step: static x, seqlens and y buffers around a graph of
-    MLADecoder._core. A call copies x in, replays, and returns a copy of y
-    as [bs, 1, dim] (the caller owns it; the next replay cannot touch it).
-    The graph's last node advances seqlens by one, so consecutive steps on
-    one cache need no host write of the length; any other length is written
-    before the replay. Calls on one cache must be ordered on one stream, as
-    eager calls must. Where PyTorch gives the instantiated graph
-    (CUDAGraph.raw_cuda_graph_exec), the copies and the launch are one C++
-    call (mla_decode._C.StepLauncher); the graph holds no random-number
-    kernels, so PyTorch's per-replay generator bookkeeping has nothing to do."""
+    """One captured step: static x, seqlens, y and split-plan buffers around
+    a graph of MLADecoder._core. A call copies x in, replays, and returns a
+    copy of y as [bs, 1, dim] (the caller owns it; the next replay cannot
+    touch it). Right after its attention the graph advances seqlens by one
+    and plans the attention's split for those lengths into the plan buffer,
+    beside the output projections, so consecutive steps on one cache need no
+    host write and no planner ahead of the attention (measured: the planner
+    in the step's path cost its graph 11-15 us at prefill 512 and 2048). Any
+    other length is written, and planned, before the replay. Calls on one
+    cache must be ordered on one stream, as eager calls must. Where PyTorch
+    gives the instantiated graph (CUDAGraph.raw_cuda_graph_exec), the copies,
+    the planning of a rewritten length and the launch are one C++ call
+    (mla_decode._C.StepLauncher); the graph holds no random-number kernels,
+    so PyTorch's per-replay generator bookkeeping has nothing to do."""
 
     def __init__(self, run, dims, device):
         self.x = torch.zeros(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
         self.seqlens = torch.ones(dims.bs, dtype=torch.int32, device=device)
         self.y = torch.empty(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
         self.y_shape = (dims.bs, 1, dims.dim)
+        self.plan_args = (1, dims.heads, dims.max_seq_len)  # s_q, h_q, capacity
+        self.plan = self._make_plan()
         self.next_len = None  # what seqlens holds after the last replay (Python path)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            run(self.x, self.seqlens, self.y)
+        side = torch.cuda.Stream(device=device)
+
+        def after_attention():  # the next step's lengths and plan, beside the output projections
             self.seqlens.add_(1)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.plan.copy_(self._make_plan())
+
+        with torch.cuda.graph(self.graph):
+            run(self.x, self.seqlens, self.y, self.plan, after_attention)
+            torch.cuda.current_stream().wait_stream(side)
         raw = getattr(self.graph, "raw_cuda_graph_exec", None)
-        self.launcher = (_ext_module().StepLauncher(raw(), self.x, self.y, self.seqlens, list(self.y_shape))
+        self.launcher = (_ext_module().StepLauncher(raw(), self.x, self.y, self.seqlens, list(self.y_shape),
+                                                    self.plan, *self.plan_args)
                          if raw is not None else None)
+
+    def _make_plan(self):
+        return torch.ops.mla_decode.plan(self.seqlens, *self.plan_args)
 
     def __call__(self, x, L):
         if self.launcher is not None:
@@ -280,7 +298,9 @@ class _GraphStep:
         copy = _ext_module().copy_async
         copy(self.x, x)
         if L != self.next_len:
+            self.next_len = None
             self.seqlens.fill_(L)
+            self.plan.copy_(self._make_plan())
         self.graph.replay()
         self.next_len = L + 1
         y = torch.empty(self.y_shape, dtype=self.y.dtype, device=self.y.device)
@@ -456,12 +476,16 @@ class MLADecoder:
             self._caches.move_to_end(key)
             return st
 
-    def _core(self, which, config, dims, x2, data, seqlens, y, tables, L=None, kpe=None):
+    def _core(self, which, config, dims, x2, data, seqlens, y, tables, L=None, kpe=None, plan=None,
+              after_attention=None):
         """One step on the device, with every position-dependent value read
         from ``seqlens`` (all = L) on the device, so that a captured graph of
         it serves every position. Writes the new cache row and ``y`` (and,
         with ``kpe``, the new row's rotated k_pe; the attention then reads
-        the keys' rope columns from ``kpe`` instead of rotating them)."""
+        the keys' rope columns from ``kpe`` instead of rotating them).
+        ``plan``: the attention's split plan for these lengths (else it plans
+        its own); ``after_attention()`` is called once the attention is
+        enqueued (nothing after it reads seqlens or the plan)."""
         table, cos2, sin2 = tables
         bs, H, r, nope = dims.bs, dims.heads, dims.kv_lora, dims.nope
         wkv = config.KV_proj_up_weight.view(H, nope + dims.v, r)
@@ -479,13 +503,15 @@ class MLADecoder:
         # 5. attention over the latent cache
         if which == "kernels":
             if kpe is not None:
-                o_lat, _ = mla_attention(q_att, data, seqlens, scale, kpe=kpe)
+                o_lat, _ = mla_attention(q_att, data, seqlens, scale, kpe=kpe, plan=plan)
             else:
-                o_lat, _ = mla_attention(q_att, data, seqlens, scale, rope_cs=table)
+                o_lat, _ = mla_attention(q_att, data, seqlens, scale, rope_cs=table, plan=plan)
             o_lat = o_lat.view(bs, H, r)
         else:
             o_lat = _attention_torch(q_att[:, 0, :, :r], q_att[:, 0, :, r:], data[:, :L], cos2[:L], sin2[:L],
                                      dims, scale)
+        if after_attention is not None:
+            after_attention()
         # 6. W_UV per head, then wo
         obuf = torch.empty(bs, H, dims.v, dtype=torch.bfloat16, device=x2.device)
         projections.output(o_lat, w_uv_t, config.wo_weight, obuf, y)
@@ -511,8 +537,10 @@ class MLADecoder:
             if key in self._failed:
                 return None
         try:
-            entry = _GraphStep(lambda x2, seqlens, y: self._core("kernels", config, dims, x2, data, seqlens, y,
-                                                                 tables, kpe=st.kpe), dims, data.device)
+            entry = _GraphStep(lambda x2, seqlens, y, plan, after: self._core("kernels", config, dims, x2, data,
+                                                                              seqlens, y, tables, kpe=st.kpe,
+                                                                              plan=plan, after_attention=after),
+                               dims, data.device)
         except Exception as e:  # noqa: BLE001 - said once, loudly; the call then runs eagerly
             with self._lock:
                 self._failed.add(key)

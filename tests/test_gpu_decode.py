@@ -255,3 +255,21 @@ def test_decoder_call_inside_a_user_capture():
         yg, _ = dg(config, x, kv)
         ye, _ = de(config, x, kv_e)
     assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
+
+
+def test_captured_step_of_a_tp_rank_matches_eager_across_a_pair_boundary():
+    """A tensor-parallel rank's step (rank 0 of 2: 64 of 128 heads) captured
+    and replayed gives the eager step's bits at every position, across a
+    128-key boundary: the captured step plans the next step's split inside
+    the graph, and the plan's shape (tiles per sequence) changes there."""
+    from mla_decode.tp import shard_config
+
+    config, x, kv = generate_input(batch_size=8, prefill=250, seed=5, device="cuda")
+    cfg = shard_config(config, 0, 2)
+    runs = {"graphed": (mla_decode.MLADecoder(backend="kernels"), kv),
+            "eager": (mla_decode.MLADecoder(backend="kernels", graphs=False), kv.clone())}
+    for step in range(10):
+        y = {name: dec(cfg, x, cache)[0] for name, (dec, cache) in runs.items()}
+        assert torch.equal(y["graphed"], y["eager"]), f"step {step}: y"
+        assert torch.equal(kv.data, runs["eager"][1].data), f"step {step}: cache"
+    assert runs["graphed"][0].last_graphed and kv.seq_len == 260

@@ -14,6 +14,7 @@
 
 #include "../platform/vendor.h"
 #include "checks.h"
+#include "ops.h"
 #include "step_launcher.h"
 
 namespace mla::api {
@@ -63,16 +64,24 @@ class LayoutStamp {
 };
 
 // One captured step: x_static and y_static are the graph's input and output
-// buffers, seqlens the per-sequence lengths it reads (its last node adds one).
+// buffers, seqlens the per-sequence lengths it reads (the graph adds one).
+// With `plan` (an undefined tensor: none), the graph's attention reads its
+// split plan there and the graph plans the next step's lengths at its end;
+// a launch whose lengths the last one did not leave plans them first
+// (plan(seqlens, s_q, h_q, capacity), the attention op's planner).
 class StepLauncher {
  public:
   StepLauncher(int64_t exec, at::Tensor x_static, at::Tensor y_static, at::Tensor seqlens,
-               std::vector<int64_t> y_shape)
+               std::vector<int64_t> y_shape, at::Tensor plan, int64_t s_q, int64_t h_q, int64_t capacity)
       : exec_(static_cast<uintptr_t>(exec)),
         x_(std::move(x_static)),
         y_(std::move(y_static)),
         seqlens_(std::move(seqlens)),
-        y_shape_(std::move(y_shape)) {
+        y_shape_(std::move(y_shape)),
+        plan_(std::move(plan)),
+        s_q_(s_q),
+        h_q_(h_q),
+        capacity_(capacity) {
     if (exec == 0) fail_value("StepLauncher: the graph has no instantiated executable (handle 0)");
     if (!x_.is_cuda() || !y_.is_cuda() || !seqlens_.is_cuda())
       fail_value("StepLauncher: x, y and seqlens must be on a GPU");
@@ -83,6 +92,11 @@ class StepLauncher {
     if (c10::multiply_integers(y_shape_) != y_.numel())
       fail_value("StepLauncher: y_shape " + list_str(y_shape_) + " does not hold y's " + std::to_string(y_.numel()) +
                  " elements");
+    if (plan_.defined()) {
+      check_device(plan_, "plan", x_.device());
+      check_contiguous(plan_, "plan");
+      if (plan_.scalar_type() != at::kInt) fail_value("StepLauncher: plan must be int32");
+    }
   }
 
   // Copy x in, set the lengths to L where the graph's last step did not
@@ -102,8 +116,13 @@ class StepLauncher {
                  shape_str(x) + " " + c10::toString(x.scalar_type()) + " on " + x.device().str());
     check_launch(memcpy_d2d_async(x_.data_ptr(), x.data_ptr(), x_.nbytes(), stream), "copy of x into the step");
     if (L != next_len_) {
+      next_len_ = -1;  // (L + 1 once the graph is launched; anything failing before leaves it unknown)
       seqlens_.fill_(L);
-      next_len_ = L;
+      if (plan_.defined()) {  // the graph planned other lengths (or none yet): plan these
+        const at::Tensor fresh = plan(seqlens_, s_q_, h_q_, capacity_);
+        if (fresh.numel() != plan_.numel()) fail_value("StepLauncher: the plan's size changed");
+        check_launch(memcpy_d2d_async(plan_.data_ptr(), fresh.data_ptr(), plan_.nbytes(), stream), "copy of the plan");
+      }
     }
     check_launch(graph_launch(exec_, stream), "graph launch of the step");
     next_len_ = L + 1;
@@ -116,7 +135,9 @@ class StepLauncher {
   uintptr_t exec_;
   at::Tensor x_, y_, seqlens_;
   std::vector<int64_t> y_shape_;
-  int64_t next_len_ = -1;  // what seqlens holds (-1: unknown)
+  at::Tensor plan_;
+  int64_t s_q_, h_q_, capacity_;
+  int64_t next_len_ = -1;  // what seqlens holds, and plan is made for (-1: unknown)
 };
 
 }  // namespace
@@ -131,8 +152,10 @@ void bind_step_launcher(py::module& m) {
   py::class_<StepLauncher>(m, "StepLauncher",
                            "A captured decode step: x copied in, the graph launched, y copied out, on the current "
                            "stream")
-      .def(py::init<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>>(), py::arg("exec"),
-           py::arg("x"), py::arg("y"), py::arg("seqlens"), py::arg("y_shape"))
+      .def(py::init<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor, int64_t, int64_t,
+                    int64_t>(),
+           py::arg("exec"), py::arg("x"), py::arg("y"), py::arg("seqlens"), py::arg("y_shape"),
+           py::arg("plan") = at::Tensor(), py::arg("s_q") = 1, py::arg("h_q") = 1, py::arg("capacity") = 0)
       .def("launch", &StepLauncher::launch, py::arg("x"), py::arg("L"),
            "Run the step for length L; returns y (a new tensor), or None while the current stream is capturing");
 }
