@@ -59,8 +59,9 @@ def test_gemm_matches_float64(m, n, k):
     torch.ops.mla_decode.gemm_nt(x, w, y)
     assert_task_rule(y, ref(x, w), f"y {m}x{n}x{k}")
     check_outside_untouched(buf, y, "y")
-    bn, bm, splits, stages, blocks, smem, group = torch.ops.mla_decode.gemm_nt_config(x, w, y)
+    bn, bm, splits, stages, blocks, smem, group, ws = torch.ops.mla_decode.gemm_nt_config(x, w, y)
     assert bm >= m and bn in (128, 256) and 1 <= splits <= 8 and stages >= 2 and blocks >= 1 and 1 <= group <= stages
+    assert (ws > 0) == (splits > 1), f"split-K workspace {ws} bytes with {splits} splits"
 
 
 def test_two_weights_in_one_launch():
@@ -134,6 +135,9 @@ def test_gemm_path_says_which_gemm_runs(monkeypatch):
     monkeypatch.delenv("MLA_DECODE_GEMM", raising=False)
     x = torch.zeros(128, 7168, dtype=torch.bfloat16, device="cuda")
     assert projections.gemm_path(x, w).startswith("vendor: the default")
+    assert projections.gemm_path(x, w, own=True) == "sm90"  # the down stage's products
+    monkeypatch.setenv("MLA_DECODE_GEMM", "vendor")
+    assert projections.gemm_path(x, w, own=True).startswith("vendor: MLA_DECODE_GEMM=vendor")
     monkeypatch.setenv("MLA_DECODE_GEMM", "sm90")
     for bs in (1, 32, 128, 256):
         assert projections.gemm_path(x[:bs] if bs <= 128 else x.repeat(2, 1), w) == "sm90"

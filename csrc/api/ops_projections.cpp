@@ -172,12 +172,20 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
 
 void gemm_nt(const at::Tensor& x, const at::Tensor& w0, at::Tensor& y0, const c10::optional<at::Tensor>& w1,
              c10::optional<at::Tensor> y1, const c10::optional<at::Tensor>& row_pos1, bool pdl) {
-  const GemmParams p = gemm_params(x, w0, y0, w1, y1, row_pos1, pdl);
+  GemmParams p = gemm_params(x, w0, y0, w1, y1, row_pos1, pdl);
   c10::cuda::CUDAGuard guard(x.device());
+  GemmConfig c{};
+  check_launch(gemm_sm90_config(p, &c), "gemm_nt launch");  // (the launcher's own errors, raised as its launch's)
+  at::Tensor ws;  // the split-K partials (L2-resident; from the caching allocator, stream-ordered)
+  if (c.ws_bytes > 0) {
+    ws = at::empty({(c.ws_bytes + 3) / 4}, x.options().dtype(at::kFloat));
+    p.ws = ws.data_ptr<float>();
+    p.ws_bytes = c.ws_bytes;
+  }
   check_launch(launch_gemm_sm90(p, at::cuda::getCurrentCUDAStream().stream()), "gemm_nt launch");
 }
 
-// The launcher's choice for these operands: [bn, bm, splits, stages, blocks, smem, group], or a
+// The launcher's choice for these operands: [bn, bm, splits, stages, blocks, smem, group, workspace bytes], or a
 // ValueError naming why the Hopper GEMM does not take them.
 std::vector<int64_t> gemm_nt_config(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& y0,
                                     const c10::optional<at::Tensor>& w1, const c10::optional<at::Tensor>& y1) {
@@ -185,7 +193,7 @@ std::vector<int64_t> gemm_nt_config(const at::Tensor& x, const at::Tensor& w0, c
   c10::cuda::CUDAGuard guard(x.device());
   GemmConfig c{};
   if (const char* e = gemm_sm90_config(p, &c)) fail_value(e);
-  return {c.bn, c.bm, c.splits, c.stages, c.blocks, c.smem, c.group};
+  return {c.bn, c.bm, c.splits, c.stages, c.blocks, c.smem, c.group, c.ws_bytes};
 }
 
 }  // namespace mla::api

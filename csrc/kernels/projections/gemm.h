@@ -7,7 +7,7 @@
 // head: W_UV), with any row strides. Rows of a segment's output may be placed
 // by the device (the cache append: output row m goes to row seqlens[m] - 1).
 // The Hopper kernel (gemm_sm90.cu, wgmma + TMA, split-K within a thread-block
-// cluster, reduced through distributed shared memory) is NVIDIA-only; the AMD
+// cluster, reduced through a workspace in L2) is NVIDIA-only; the AMD
 // build keeps the vendor BLAS for these products (mla_decode/projections.py).
 #pragma once
 
@@ -35,15 +35,19 @@ struct GemmParams {
   int nseg;  // 1 or 2
   GemmSeg seg[2];
   bool pdl;  // launch as a programmatic dependent of the previous kernel (weights stream before the wait)
+  float* ws;         // split-K workspace (16-byte aligned), at least GemmConfig::ws_bytes; unused without splits
+  int64_t ws_bytes;
 };
 
 // The configuration the launcher picks for these sizes (exposed for tests
 // and benchmarks): tile rows of W per block (bn), padded rows of x (bm),
-// split-K ways (= cluster size), pipeline stages, blocks, shared memory and
+// split-K ways (= cluster size), pipeline stages, blocks, shared memory,
 // the load group (k blocks requested back to back once as many slots
-// are free).
+// are free) and the bytes of global workspace the split-K reduction needs
+// (0 without splits).
 struct GemmConfig {
   int bn, bm, splits, stages, blocks, smem, group;
+  int64_t ws_bytes;
 };
 
 // nullptr when the Hopper kernel takes these sizes (else why not); fills cfg.

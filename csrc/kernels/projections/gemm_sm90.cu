@@ -9,11 +9,12 @@
 // warp issues the TMA loads of a `stages`-deep ring (full / empty mbarriers).
 //
 // Split-K: the blocks of one output tile form a thread-block cluster along x,
-// each takes a contiguous share of the k blocks, and at the end every block
-// puts its fp32 tile in its own shared memory; after a cluster barrier, block
-// r sums rows [r * M / S, ...) of all S tiles (in rank order: the result does
-// not depend on which block sums) through distributed shared memory, rounds
-// to bf16 and writes 16-byte pieces of y. No workspace, no second launch.
+// each takes a contiguous share of the k blocks, and at the end block r owns
+// a band of x rows of the tile: every block writes its fp32 accumulators of
+// the other bands to a global workspace (L2), and after a cluster barrier
+// block r sums the S partials of its band (in rank order: the result does not
+// depend on which block sums), rounds to bf16 through shared memory and
+// writes 16-byte pieces of y. No second launch.
 //
 // With pdl, the weights of the first `stages` k blocks are requested before
 // griddepcontrol.wait: they do not depend on the previous kernel, x does.
@@ -48,8 +49,8 @@ struct GemmTile {
   static constexpr int kWBytes = kBN * 128;               // one 64-column k block of W
   static constexpr int kXBytes = kBM * 128;               // ... of x
   static constexpr int kStageBytes = kWBytes + kXBytes;   // a multiple of 1 KB (swizzle atoms)
-  static constexpr int kRedStride = kBN + 4;              // fp32 tile row (one x row): conflict-free stores
-  static constexpr int kRedBytes = kBM * kRedStride * 4;  // the fp32 tile for the cluster reduction
+  static constexpr int kTileBytes = kBM * (kBN + 8) * 2;  // the bf16 output tile (rows padded by 16 bytes)
+  static constexpr int64_t kWsBytes = kMW * kBM * 512;    // one block's fp32 accumulators in the workspace
   static_assert(kMW * kBM <= 256, "accumulators: at most 128 floats per thread");
   static_assert(kStageBytes % 1024 == 0, "stages on swizzle-atom boundaries");
 };
@@ -61,29 +62,6 @@ struct GemmTile {
 // outstanding global stores), so it is not used after the stores.
 MLA_DEVICE void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// Cluster barrier without memory ordering: only "every block got here".
-MLA_DEVICE void cluster_sync_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-
-// 4 floats at the same shared-memory offset in block `rank` of the cluster.
-// volatile (kept in order with the cluster barriers) but without a memory
-// clobber, so that a run of them issues back to back.
-MLA_DEVICE float4 ld_cluster4(const float* local, int rank) {
-  uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(local)), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(r));
-  return v;
-}
-
-MLA_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
 }
 #endif
 
@@ -136,19 +114,33 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int i = 0; i < pro; ++i)
         wg::tma_load_3d(smem + i * T::kStageBytes + T::kWBytes, &maps.x, (kb + i) * 64, 0, b, &full[i]);
       // steady state: wait until `group` slots are free, then request their k
-      // blocks back to back
+      // blocks back to back. Block j takes slot j % stages; its empty wait's
+      // parity is (j / stages - 1) & 1. Both are carried from block to block
+      // (no division in the loop: this one thread's dependent integer
+      // divisions had made it ~480 cycles per k block, measured)
+      int slot = 0;
+      uint32_t par = 0;  // of block j = pro (pro == stages whenever pro < nk)
       for (int i = pro; i < nk; i += group) {
         const int e = min(nk, i + group);
-        for (int j = i; j < e; ++j) wg::mbar_wait(&empty[j % stages], ((j / stages) - 1) & 1);
+        int sl = slot;
+        uint32_t pa = par;
         for (int j = i; j < e; ++j) {
-          const int s = j % stages;
-          wg::mbar_arrive_expect_tx(&full[s], T::kStageBytes);
-          wg::tma_load_3d(smem + s * T::kStageBytes, wm, (kb + j) * 64, n0, b, &full[s]);
+          wg::mbar_wait(&empty[sl], pa);
+          if (++sl == stages) sl = 0, pa ^= 1;
         }
+        sl = slot;
         for (int j = i; j < e; ++j) {
-          const int s = j % stages;
-          wg::tma_load_3d(smem + s * T::kStageBytes + T::kWBytes, &maps.x, (kb + j) * 64, 0, b, &full[s]);
+          wg::mbar_arrive_expect_tx(&full[sl], T::kStageBytes);
+          wg::tma_load_3d(smem + sl * T::kStageBytes, wm, (kb + j) * 64, n0, b, &full[sl]);
+          if (++sl == stages) sl = 0;
         }
+        sl = slot;
+        for (int j = i; j < e; ++j) {
+          wg::tma_load_3d(smem + sl * T::kStageBytes + T::kWBytes, &maps.x, (kb + j) * 64, 0, b, &full[sl]);
+          if (++sl == stages) sl = 0;
+        }
+        slot = sl;
+        par = pa;
       }
     }
   }
@@ -161,10 +153,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // warpgroup index, warp-uniform for the compiler
   const int g = __shfl_sync(0xffffffffu, tid / 128, 0);
   if (tid < 256) {
+    int sl = 0, prev = 0;
+    uint32_t par = 0;  // slot i % stages and parity (i / stages) & 1 of block i, carried
     for (int i = 0; i < nk; ++i) {
-      const int s = i % stages;
-      const unsigned char* st = smem + s * T::kStageBytes;
-      wg::mbar_wait(&full[s], (i / stages) & 1);
+      const unsigned char* st = smem + sl * T::kStageBytes;
+      wg::mbar_wait(&full[sl], par);
       const uint64_t da = wg::desc_sw128(st + g * kMW * 64 * 128, 16, 1024);
       const uint64_t db = wg::desc_sw128(st + T::kWBytes, 16, 1024);
       wg::fence();
@@ -175,36 +168,73 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           wg::wgmma_ss_kk<kBM, false>(acc[w], da + ((w * 64 * 128 + kk * 32) >> 4), db + ((kk * 32) >> 4), 1);
       wg::commit();
       wg::wait<1>();  // the previous k block's products are done: its stage is free
-      if (i > 0 && (tid & 127) == 0) wg::mbar_arrive(&empty[(i - 1) % stages]);
+      if (i > 0 && (tid & 127) == 0) wg::mbar_arrive(&empty[prev]);
+      prev = sl;
+      if (++sl == stages) sl = 0, par ^= 1;
     }
     wg::wait<0>();
   }
   pdl_trigger();
 
-  // every load has landed and been read: the ring becomes the fp32 tile [kBM][kRedStride]
-  sync_threads();
-  float* red = reinterpret_cast<float*>(smem);
-  if (tid < 256) {
-    const int lane = tid & 31, warp = (tid & 127) >> 5;
+  // The split-K reduction. A consumer thread's accumulators are kMW * kBM / 8
+  // float4 pieces, piece (w, jj) holding x rows (columns of the m64 tile) 8 jj
+  // + 2 (lane & 3) + {0, 1} at W rows r0 and r0 + 8 (r0 from the warp and
+  // lane). Block `rank` of the cluster owns the pieces jj in [jlo, jhi), that
+  // is x rows [8 jlo, 8 jhi) of the tile: every block writes its other pieces
+  // to the workspace in this layout (thread-contiguous float4: coalesced),
+  // and after the cluster barrier (release / acquire: the stores are seen)
+  // adds the S partials of its own pieces in rank order (its own from
+  // registers): the sum does not depend on which block makes it. Measured on
+  // an H200 (down stage, bs 128, 6 splits): summing through distributed
+  // shared memory instead took ~6 us of a 17-23 us kernel.
+  constexpr int kJJ = kBM / 8;  // pieces per 64-row slice
+  const int jlo = rank * kJJ / splits, jhi = (rank + 1) * kJJ / splits;
+  const int lane = tid & 31, warp = (tid & 127) >> 5;
+  const int64_t blk = (static_cast<int64_t>(b) * gridDim.y + tile) * splits;  // the cluster's first block
+  constexpr int kPieces = kMW * kJJ;
+  float4* ws = reinterpret_cast<float4*>(p.ws);
+  if (splits > 1) {
+    pdl_wait();  // the workspace may still be read by the previous kernel (no-op once waited)
+    if (tid < 256) {
 #pragma unroll
-    for (int w = 0; w < kMW; ++w) {
-      const int r0 = (g * kMW + w) * 64 + warp * 16 + (lane >> 2);
+      for (int w = 0; w < kMW; ++w)
 #pragma unroll
-      for (int j = 0; j < kBM / 8; ++j) {
-        const int c = 8 * j + 2 * (lane & 3);
-        red[c * T::kRedStride + r0] = acc[w][4 * j];
-        red[(c + 1) * T::kRedStride + r0] = acc[w][4 * j + 1];
-        red[c * T::kRedStride + r0 + 8] = acc[w][4 * j + 2];
-        red[(c + 1) * T::kRedStride + r0 + 8] = acc[w][4 * j + 3];
-      }
+        for (int jj = 0; jj < kJJ; ++jj)
+          if (jj < jlo || jj >= jhi)
+            __stcg(ws + ((blk + rank) * kPieces + w * kJJ + jj) * 256 + tid,
+                   make_float4(acc[w][4 * jj], acc[w][4 * jj + 1], acc[w][4 * jj + 2], acc[w][4 * jj + 3]));
     }
-  }
-  if (splits > 1)
     cluster_sync();
-  else
-    sync_threads();
+  }
+  // every load has landed and been read: the ring becomes the bf16 tile of
+  // the owned rows, [8 (jhi - jlo)][kBN + 8]
+  sync_threads();
+  constexpr int kTileStride = kBN + 8;  // bf16; rows 16 bytes apart modulo 128: conflict-free 16-byte reads
+  bf16_t* tile_s = reinterpret_cast<bf16_t*>(smem);
+  if (tid < 256) {
+#pragma unroll
+    for (int w = 0; w < kMW; ++w)
+#pragma unroll
+      for (int jj = 0; jj < kJJ; ++jj) {
+        if (jj < jlo || jj >= jhi) continue;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int q = 0; q < splits; ++q) {
+          const float4 u = q == rank ? make_float4(acc[w][4 * jj], acc[w][4 * jj + 1], acc[w][4 * jj + 2],
+                                                   acc[w][4 * jj + 3])
+                                     : __ldcg(ws + ((blk + q) * kPieces + w * kJJ + jj) * 256 + tid);
+          v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+        }
+        const int r0 = (g * kMW + w) * 64 + warp * 16 + (lane >> 2);
+        const int c = 8 * (jj - jlo) + 2 * (lane & 3);
+        tile_s[c * kTileStride + r0] = float_to_bf16(v.x);
+        tile_s[(c + 1) * kTileStride + r0] = float_to_bf16(v.y);
+        tile_s[c * kTileStride + r0 + 8] = float_to_bf16(v.z);
+        tile_s[(c + 1) * kTileStride + r0 + 8] = float_to_bf16(v.w);
+      }
+  }
+  sync_threads();
 
-  pdl_wait();  // (a no-op by now for the producer's block; y may be read by the previous kernel)
+  pdl_wait();  // (a no-op by now; y may be read by the previous kernel)
   const GemmSeg& sg0 = p.seg[0];
   const GemmSeg& sg1 = p.seg[1];
   bf16_t* y = s1 ? sg1.y : sg0.y;
@@ -214,51 +244,20 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int64_t y_ps = s1 ? sg1.y_pos_stride : sg0.y_pos_stride;
   const int pos_limit = s1 ? sg1.pos_limit : sg0.pos_limit;
   const int n = s1 ? sg1.n : sg0.n;
-  const int rows = (p.m + splits - 1) / splits;
-  const int mb = rank * rows, me = min(p.m, mb + rows);
+  const int mb = 8 * jlo, me = min(p.m, 8 * jhi);
   constexpr int kOct = kBN / 8;
-  // one 8-column piece of y per thread and step: all S partial tiles' values
-  // are requested before any is added (the remote reads overlap), then summed
-  // in rank order
+  // one 16-byte piece (8 columns of y) per thread and step
   for (int idx = tid; idx < (me - mb) * kOct; idx += kGemmThreads) {
     const int m = mb + idx / kOct, c = (idx % kOct) * 8;
     if (n0 + c >= n) continue;
-    const float* src = red + m * T::kRedStride + c;
-    float4 part[kMaxSplits][2];
-    if (splits == 1) {
-      part[0][0] = *reinterpret_cast<const float4*>(src);
-      part[0][1] = *reinterpret_cast<const float4*>(src + 4);
-    } else {
-#pragma unroll
-      for (int q = 0; q < kMaxSplits; ++q)
-        if (q < splits) {
-          part[q][0] = ld_cluster4(src, q);
-          part[q][1] = ld_cluster4(src + 4, q);
-        }
-    }
-    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int q = 0; q < kMaxSplits; ++q)
-      if (q < splits) {
-        v[0] += part[q][0].x, v[1] += part[q][0].y, v[2] += part[q][0].z, v[3] += part[q][0].w;
-        v[4] += part[q][1].x, v[5] += part[q][1].y, v[6] += part[q][1].z, v[7] += part[q][1].w;
-      }
     int64_t off = static_cast<int64_t>(b) * y_bs + static_cast<int64_t>(m) * y_rs + n0 + c;
     if (row_pos != nullptr) {
       const int pos = row_pos[m] - 1;
       if (pos < 0 || pos >= pos_limit) continue;
       off += static_cast<int64_t>(pos) * y_ps;
     }
-    uint4 o;
-    o.x = pack_bf16x2(v[0], v[1]);
-    o.y = pack_bf16x2(v[2], v[3]);
-    o.z = pack_bf16x2(v[4], v[5]);
-    o.w = pack_bf16x2(v[6], v[7]);
-    *reinterpret_cast<uint4*>(y + off) = o;
+    *reinterpret_cast<uint4*>(y + off) = *reinterpret_cast<const uint4*>(tile_s + (m - mb) * kTileStride + c);
   }
-  // the other blocks' tiles stay alive until every block has read them (the
-  // reads are complete: their values were stored)
-  if (splits > 1) cluster_sync_relaxed();
 #endif
 }
 
@@ -266,13 +265,14 @@ using KernelFn = void (*)(GemmParams, GemmMaps, int, int, int, int);
 
 struct Choice {
   KernelFn fn;
-  int mw, bm, stage_bytes, red_bytes;
+  int mw, bm, stage_bytes, tile_bytes;
+  int64_t ws_bytes;  // per block, with splits > 1
 };
 
 template <int kMW, int kBM>
 Choice choice() {
   using T = GemmTile<kMW, kBM>;
-  return {gemm_sm90_kernel<kMW, kBM>, kMW, kBM, T::kStageBytes, T::kRedBytes};
+  return {gemm_sm90_kernel<kMW, kBM>, kMW, kBM, T::kStageBytes, T::kTileBytes, T::kWsBytes};
 }
 
 Choice pick_kernel(int mw, int bm) {
@@ -281,7 +281,7 @@ Choice pick_kernel(int mw, int bm) {
   if (mw == 1 && bm == 64) return choice<1, 64>();
   if (mw == 1 && bm == 128) return choice<1, 128>();
   if (mw == 1 && bm == 256) return choice<1, 256>();
-  return {nullptr, mw, bm, 0, 0};
+  return {nullptr, mw, bm, 0, 0, 0};
 }
 
 // Clusters of `splits` blocks that fit on the device at once (occupancy
@@ -389,7 +389,7 @@ const char* plan(const GemmParams& p, Plan* out) {
     if (force_mw > 0 && mw != force_mw && (force_mw == 1 || two_ok)) continue;
     const Choice ch = pick_kernel(mw, bm);
     if (ch.fn == nullptr) continue;
-    const int sb = ch.stage_bytes, rb = ch.red_bytes;
+    const int sb = ch.stage_bytes, rb = ch.tile_bytes;
     const int stages = std::min(8, (smem_max - 1024 - 16 * 8) / sb);
     if (stages < 2) continue;
     const int region = std::max(stages * sb, rb);
@@ -417,7 +417,8 @@ const char* plan(const GemmParams& p, Plan* out) {
         out->tiles0 = tiles0;
         // at most stages - 1: the slot being read is released only after the next one is
         const int group = std::min(stages - 1, force_group > 0 ? force_group : (stages >= 6 ? 2 : 1));
-        out->cfg = GemmConfig{bn, bm, s, stages, static_cast<int>(units * s), smem, group};
+        out->cfg = GemmConfig{bn, bm, s, stages, static_cast<int>(units * s), smem, group,
+                               s > 1 ? units * s * ch.ws_bytes : 0};
       }
     }
   }
@@ -446,6 +447,8 @@ const char* launch_gemm_sm90(const GemmParams& p, stream_t stream) {
     if (!encode_rows(&maps.w[i], s.w, p.k, s.n, p.batch, s.w_row_stride, s.w_batch_stride, c.bn, true))
       return "gemm_sm90: TMA cannot describe a weight";
   }
+  if (c.ws_bytes > 0 && (p.ws == nullptr || p.ws_bytes < c.ws_bytes || reinterpret_cast<uintptr_t>(p.ws) % 16 != 0))
+    return "gemm_sm90: the split-K workspace is missing, misaligned or smaller than gemm_sm90_config's ws_bytes";
   if (const char* e = set_max_dynamic_smem(pl.k.fn, c.smem)) return e;
   const int tiles = c.blocks / (c.splits * p.batch);
   const int region = c.smem - 1024 - 2 * c.stages * 8;
