@@ -7,10 +7,12 @@ is enqueued (``gemm(..., lt=True)``; measured on an H200 at bs 128: 62.1
 against 69.3 us, 90% of copy bandwidth; the other products are no faster
 there; MLA_DECODE_BLASLT=0 turns it off). Our Hopper skinny GEMM
 (torch.ops.mla_decode.gemm_nt: wgmma + TMA, split-K in a thread-block
-cluster) takes the products that
-stream a weight when MLA_DECODE_GEMM=sm90 on a Hopper build on a Hopper GPU;
-measured side by side it is not faster than cuBLAS at the task's shapes
-(README), so it is not the default. ``gemm_path`` says which runs and why.
+cluster) runs the down stage's two products in one launch on a Hopper
+build on a Hopper GPU (measured on an H200 at bs 128: 20.5 against cuBLAS's
+22.5 us for its two products; the decode step's graph 4-6 us faster); it
+is slower than cuBLAS for the other products (README), which take it only
+with MLA_DECODE_GEMM=sm90 (=vendor puts every product on the vendor BLAS).
+``gemm_path`` says which runs and why.
 ``benchmarks/bench_projections.py`` measures each stage both ways. Every
 product writes where the next stage reads, so nothing is copied between
 stages:
@@ -63,10 +65,16 @@ def _aligned(t) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
 
 
-def gemm_path(x, w, y=None) -> str:
-    """"sm90" when ``gemm`` runs x w^T on our Hopper GEMM, else "vendor: why"."""
-    if os.environ.get("MLA_DECODE_GEMM") != "sm90":
-        return "vendor: the default (set MLA_DECODE_GEMM=sm90 for the Hopper skinny GEMM)"
+def gemm_path(x, w, y=None, own=False) -> str:
+    """"sm90" when ``gemm`` runs x w^T on our Hopper GEMM, else "vendor: why".
+    MLA_DECODE_GEMM=sm90: every product on the Hopper GEMM where it runs;
+    =vendor: every product on the vendor BLAS; unset: the products that ask
+    for ours (``own``: the down stage) on it, the others on the vendor's."""
+    mode = os.environ.get("MLA_DECODE_GEMM")
+    if mode == "vendor":
+        return "vendor: MLA_DECODE_GEMM=vendor"
+    if mode != "sm90" and not own:
+        return "vendor: the default for this product (MLA_DECODE_GEMM=sm90 puts every product on the Hopper GEMM)"
     if not _ext.kernels_usable(x.device):
         return "vendor: " + _ext.backend(x.device)
     if not _hopper(x.device):
@@ -109,14 +117,15 @@ def _prefer_cublaslt():
         be.preferred_blas_library(prev)
 
 
-def gemm(x, w, y, w1=None, y1=None, pdl=True, lt=False):
+def gemm(x, w, y, w1=None, y1=None, pdl=True, lt=False, own=False):
     """y = x w^T (and y1 = x w1^T, the same x read once), bf16, fp32
     accumulation, into y (and y1) as given. x [m, k] or [batch, m, k], w [n,
     k] or [batch, n, k] (any row strides, unit last stride). pdl: the Hopper
     GEMM launches as a programmatic dependent (its weights stream while the
     previous kernel ends). lt: on the vendor path, ask PyTorch for cuBLASLt
-    (where blas_lt_path says it can)."""
-    if gemm_path(x, w, y) == "sm90" and (w1 is None or gemm_path(x, w1, y1) == "sm90"):
+    (where blas_lt_path says it can). own: this product takes our Hopper GEMM
+    by default (``gemm_path``)."""
+    if gemm_path(x, w, y, own) == "sm90" and (w1 is None or gemm_path(x, w1, y1, own) == "sm90"):
         torch.ops.mla_decode.gemm_nt(x, w, y, w1, y1, None, pdl)
         return
     with _prefer_cublaslt() if lt and blas_lt_path(x) else contextlib.nullcontext():
@@ -138,7 +147,7 @@ def down(x2, w_qd, w_kvd):
     bs = x2.shape[0]
     q_lora = torch.empty(bs, w_qd.shape[0], dtype=x2.dtype, device=x2.device)
     kv_new = torch.empty(bs, w_kvd.shape[0], dtype=x2.dtype, device=x2.device)
-    gemm(x2, w_qd, q_lora, w_kvd, kv_new)
+    gemm(x2, w_qd, q_lora, w_kvd, kv_new, own=True)
     return q_lora, kv_new
 
 
