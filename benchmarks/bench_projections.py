@@ -93,9 +93,7 @@ def main():
                 os.environ["MLA_DECODE_GEMM"] = mode
             x = torch.zeros(bs, 16, dtype=torch.bfloat16, device="cuda")
             path = projections.gemm_path(x, torch.zeros(64, 16, dtype=torch.bfloat16, device="cuda"), own=True)
-            gemm = "vendor" if path.startswith("vendor") else path
-            if mode == "default":
-                gemm = "default"
+            gemm = "default" if mode == "default" else "vendor" if path.startswith("vendor") else path
             if mode == "sm90" and gemm == "vendor":
                 print(f"# the Hopper skinny GEMM does not run here ({path})")
                 continue

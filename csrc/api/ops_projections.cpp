@@ -182,7 +182,7 @@ void gemm_nt(const at::Tensor& x, const at::Tensor& w0, at::Tensor& y0, const c1
     p.ws = ws.data_ptr<float>();
     p.ws_bytes = c.ws_bytes;
   }
-  check_launch(launch_gemm_sm90(p, at::cuda::getCurrentCUDAStream().stream()), "gemm_nt launch");
+  check_launch(launch_gemm_sm90(p, c, at::cuda::getCurrentCUDAStream().stream()), "gemm_nt launch");
 }
 
 // The launcher's choice for these operands: [bn, bm, splits, stages, blocks, smem, group, workspace bytes], or a

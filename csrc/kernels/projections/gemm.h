@@ -52,6 +52,8 @@ struct GemmConfig {
 
 // nullptr when the Hopper kernel takes these sizes (else why not); fills cfg.
 const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg);
-const char* launch_gemm_sm90(const GemmParams& p, stream_t stream);
+// Launches with cfg as gemm_sm90_config filled it for p (planned once per
+// call: the caller sizes the workspace from it).
+const char* launch_gemm_sm90(const GemmParams& p, const GemmConfig& cfg, stream_t stream);
 
 }  // namespace mla

@@ -56,10 +56,9 @@ struct GemmTile {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Cluster barrier with release / acquire ordering (shared-memory writes
-// before it are visible to the other blocks' reads after it). ptxas emits a
-// GPU-scope memory barrier for it (MEMBAR.ALL.GPU: it waits for the block's
-// outstanding global stores), so it is not used after the stores.
+// Cluster barrier with release / acquire ordering (the split-K workspace's
+// global stores before it are seen by the cluster's loads after it; ptxas
+// emits MEMBAR.ALL.GPU for the release, and CCTL.IVALL after the wait).
 MLA_DEVICE void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -435,10 +434,11 @@ const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg) {
   return nullptr;
 }
 
-const char* launch_gemm_sm90(const GemmParams& p, stream_t stream) {
-  Plan pl{};
-  if (const char* e = plan(p, &pl)) return e;
-  const GemmConfig& c = pl.cfg;
+const char* launch_gemm_sm90(const GemmParams& p, const GemmConfig& c, stream_t stream) {
+  const Choice k = pick_kernel(c.bn / 128, c.bm);
+  if (k.fn == nullptr || c.bn % 128 != 0 || c.splits < 1 || c.splits > kMaxSplits || c.blocks % (c.splits * p.batch) != 0)
+    return "gemm_sm90: not a configuration of gemm_sm90_config";
+  const int tiles0 = (p.seg[0].n + c.bn - 1) / c.bn;
   GemmMaps maps{};
   if (!encode_rows(&maps.x, p.x, p.k, p.m, p.batch, p.x_row_stride, p.x_batch_stride, c.bm, true))
     return "gemm_sm90: TMA cannot describe x";
@@ -449,17 +449,17 @@ const char* launch_gemm_sm90(const GemmParams& p, stream_t stream) {
   }
   if (c.ws_bytes > 0 && (p.ws == nullptr || p.ws_bytes < c.ws_bytes || reinterpret_cast<uintptr_t>(p.ws) % 16 != 0))
     return "gemm_sm90: the split-K workspace is missing, misaligned or smaller than gemm_sm90_config's ws_bytes";
-  if (const char* e = set_max_dynamic_smem(pl.k.fn, c.smem)) return e;
+  if (const char* e = set_max_dynamic_smem(k.fn, c.smem)) return e;
   const int tiles = c.blocks / (c.splits * p.batch);
   const int region = c.smem - 1024 - 2 * c.stages * 8;
-  return launch_ex(pl.k.fn, dim3(c.splits, tiles, p.batch), dim3(kGemmThreads), c.smem, stream, p.pdl, dim3(c.splits, 1, 1), p, maps,
-                   c.stages, c.group, region, pl.tiles0);
+  return launch_ex(k.fn, dim3(c.splits, tiles, p.batch), dim3(kGemmThreads), c.smem, stream, p.pdl, dim3(c.splits, 1, 1), p, maps,
+                   c.stages, c.group, region, tiles0);
 }
 
 #else  // AMD: the projections use the vendor BLAS there
 
 const char* gemm_sm90_config(const GemmParams&, GemmConfig*) { return "the sm90 GEMM is NVIDIA-only"; }
-const char* launch_gemm_sm90(const GemmParams&, stream_t) { return "the sm90 GEMM is NVIDIA-only"; }
+const char* launch_gemm_sm90(const GemmParams&, const GemmConfig&, stream_t) { return "the sm90 GEMM is NVIDIA-only"; }
 
 #endif
 
