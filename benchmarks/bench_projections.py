@@ -12,11 +12,12 @@ copy bandwidth (a device-to-device copy, bytes read + written). Also shown:
 the down stage as one GEMM against a concatenated copy of its weights (what
 a single product over both weights could approach; the step does not copy
 weights), and the wo GEMM alone. Every stage is timed three ways:
-as the step runs them ("default": the down stage on our Hopper GEMM where
-it runs, the rest on the vendor BLAS), all on the vendor BLAS, and, where it
-runs (a Hopper build on a Hopper GPU), all on our Hopper skinny GEMM
-(MLA_DECODE_GEMM=sm90; the W_UK
-absorption and the RoPE kernel are the same in all three). Asserts nothing.
+as the step runs them ("default": the down stage on our Hopper GEMM and the
+query on our fused query kernel where they run, the rest on the vendor
+BLAS), all on the vendor BLAS (the query as two vendor products), and,
+where it runs (a Hopper build on a Hopper GPU), every product on our Hopper
+kernels (MLA_DECODE_GEMM=sm90: the query fused, as by default; the RoPE
+kernel is the same in all three). Asserts nothing.
 """
 
 import argparse

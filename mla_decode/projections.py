@@ -21,7 +21,9 @@ stages:
   where they lie.
 - ``query``: q = q_lora W_qu^T; q_nope absorbed through W_UK straight into
   the attention's query buffer ``qbuf`` [H, bs, r + rope] (columns 0..r-1).
-  Returns q_pe (un-rotated).
+  Returns q_pe (un-rotated). On Hopper, one launch of our fused query
+  kernel where ``query_path`` says so (q stays in registers), else the two
+  vendor products.
 - ``rope_append``: q_pe rotated at the new row's position into ``qbuf``'s
   last rope columns, and the new latent row written into the cache at that
   position; the position is read on the device (seqlens - 1), so a captured
@@ -46,7 +48,7 @@ import torch
 from . import _ext
 from .reference import rope_rotate
 
-__all__ = ["down", "query", "rope_append", "output", "stage_weight_bytes", "gemm", "gemm_path", "blas_lt_path"]
+__all__ = ["down", "query", "query_path", "rope_append", "output", "stage_weight_bytes", "gemm", "gemm_path", "blas_lt_path"]
 
 _HOPPER = {}  # device index -> the Hopper kernels run there (a Hopper build on a Hopper GPU)
 
@@ -59,6 +61,16 @@ def _hopper(device) -> bool:
         except RuntimeError:
             _HOPPER[idx] = False
     return _HOPPER[idx]
+
+
+_SMS = {}  # device index -> multiprocessor count
+
+
+def _sm_count(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def _aligned(t) -> bool:
@@ -151,12 +163,48 @@ def down(x2, w_qd, w_kvd):
     return q_lora, kv_new
 
 
+def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
+    """"sm90" when ``query`` runs as one launch of our Hopper fused query
+    (torch.ops.mla_decode.query_fused: q_lora W_qu^T and the W_UK absorption
+    per head, one block per head, q never through memory), else "vendor:
+    why" (two vendor products). The default on a Hopper build on a Hopper
+    GPU with at least 3/4 as many heads as SMs (measured on an H200, 132
+    SMs: 128 heads 28.3 / 29.5 / 33.8 us against 30.3 / 30.5 / 35.7 at bs 1 /
+    32 / 128; 64 heads, half the SMs idle, 23.9 against 22.4 at bs 128);
+    MLA_DECODE_GEMM=vendor turns it off."""
+    if os.environ.get("MLA_DECODE_GEMM") == "vendor":
+        return "vendor: MLA_DECODE_GEMM=vendor"
+    if not _ext.kernels_usable(q_lora.device):
+        return "vendor: " + _ext.backend(q_lora.device)
+    if not _hopper(q_lora.device):
+        return "vendor: the fused query is Hopper-only (sm_90a build on a compute 9.x GPU)"
+    if any(t.dtype != torch.bfloat16 for t in (q_lora, w_qu, w_uk, qbuf)):
+        return "vendor: bf16 only"
+    H, nope, r = w_uk.shape
+    rope = w_qu.shape[0] // H - nope
+    if (nope, rope) != (128, 64) or r % 128:
+        return f"vendor: heads of {nope} nope + {rope} rope columns, r {r} (the fused query takes 128 + 64, r a multiple of 128)"
+    if not 1 <= q_lora.shape[0] <= 128:
+        return f"vendor: {q_lora.shape[0]} rows of q_lora (the fused query takes 1 to 128)"
+    sms = _sm_count(q_lora.device)
+    if 4 * H < 3 * sms:
+        return f"vendor: {H} heads on {sms} SMs (the fused query runs one block per head: at least 3/4 of the SMs)"
+    if not all(_aligned(t) for t in (q_lora, w_qu, w_uk, qbuf)):
+        return "vendor: operands not 16-byte aligned (bases and strides of q_lora, the weights and qbuf)"
+    return "sm90"
+
+
 def query(q_lora, w_qu, w_uk, qbuf):
     """q_lora [bs, q_lora]; w_qu [H*(nope+rope), q_lora]; w_uk [H, nope, r]
     (a view of W_kv_up); qbuf [H, bs, r + rope]: columns 0..r-1 are written.
-    Returns q_pe [bs, H, rope] (un-rotated, a view of the up-projection)."""
+    Returns q_pe [bs, H, rope] (un-rotated): a buffer of its own from the
+    fused query (``query_path``), else a view of the up-projection."""
     H, nope, r = w_uk.shape
     bs = q_lora.shape[0]
+    if query_path(q_lora, w_qu, w_uk, qbuf) == "sm90":
+        q_pe = torch.empty(bs, H, w_qu.shape[0] // H - nope, dtype=q_lora.dtype, device=q_lora.device)
+        torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf[:, :, :r], q_pe, True)
+        return q_pe
     q = torch.empty(bs, w_qu.shape[0], dtype=q_lora.dtype, device=q_lora.device)
     gemm(q_lora, w_qu, q)
     q = q.view(bs, H, -1)

@@ -1,5 +1,6 @@
-// Torch glue of the projection stages' own kernels: rope_append, and the
-// Hopper skinny GEMM (gemm_nt, gemm_nt_config): checks, launch, registration
+// Torch glue of the projection stages' own kernels: rope_append, the
+// Hopper skinny GEMM (gemm_nt, gemm_nt_config) and the Hopper fused query
+// (query_fused): checks, launch, registration
 // as torch.ops.mla_decode.*. Which product runs on which GEMM is decided in
 // mla_decode/projections.py.
 #include <ATen/cuda/CUDAContext.h>
@@ -8,6 +9,7 @@
 #include <torch/library.h>
 
 #include "../kernels/projections/gemm.h"
+#include "../kernels/projections/query.h"
 #include "../kernels/projections/rope_append.h"
 #include "checks.h"
 #include "ops.h"
@@ -196,6 +198,60 @@ std::vector<int64_t> gemm_nt_config(const at::Tensor& x, const at::Tensor& w0, c
   return {c.bn, c.bm, c.splits, c.stages, c.blocks, c.smem, c.group, c.ws_bytes};
 }
 
+// q_abs [heads, m, r] = (q_lora W_qu^T)[:, h, :nope] W_uk[h] and q_pe [m, heads, rope] = (q_lora W_qu^T)[:, h,
+// nope:] in one launch (query.h).
+void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Tensor& w_uk, at::Tensor& q_abs,
+                 at::Tensor& q_pe, bool pdl) {
+  if (!q_lora.is_cuda()) fail_value("q_lora must be on a GPU, got " + q_lora.device().str());
+  const at::Device dev = q_lora.device();
+  const std::pair<const at::Tensor*, const char*> ts[] = {
+      {&q_lora, "q_lora"}, {&w_qu, "w_qu"}, {&w_uk, "w_uk"}, {&q_abs, "q_abs"}, {&q_pe, "q_pe"}};
+  for (const auto& t : ts) {
+    check_device(*t.first, t.second, dev);
+    check_dtype(*t.first, t.second, at::kBFloat16);
+    check_last_dim_contiguous(*t.first, t.second);
+  }
+  check_shape(q_lora, "q_lora", {-1, -1}, "[m, q_lora_rank]");
+  check_shape(w_uk, "w_uk", {-1, -1, -1}, "[heads, nope, r]");
+  const int64_t m = q_lora.size(0), k = q_lora.size(1);
+  const int64_t heads = w_uk.size(0), nope = w_uk.size(1), r = w_uk.size(2);
+  if (m < 1 || k < 1 || heads < 1 || nope < 1 || r < 1)
+    fail_value("query_fused: empty operand: q_lora " + shape_str(q_lora) + ", w_uk " + shape_str(w_uk));
+  check_shape(w_qu, "w_qu", {-1, k}, "[heads * (nope + rope), q_lora_rank]");
+  if (w_qu.size(0) % heads != 0 || w_qu.size(0) / heads <= nope)
+    fail_value("query_fused: w_qu must have heads * (nope + rope) rows with rope > 0 (heads " + num(heads) +
+               ", nope " + num(nope) + "), got " + shape_str(w_qu));
+  const int64_t rope = w_qu.size(0) / heads - nope;
+  check_shape(q_abs, "q_abs", {heads, m, r}, "[heads, m, r]");
+  check_shape(q_pe, "q_pe", {m, heads, rope}, "[m, heads, rope]");
+  if (m > INT32_MAX || k > INT32_MAX || heads > INT32_MAX || r > INT32_MAX)
+    fail_value("query_fused: sizes overflow int32");
+  QueryParams p{};
+  p.q_lora = reinterpret_cast<const bf16_t*>(q_lora.data_ptr());
+  p.q_lora_stride = q_lora.stride(0);
+  p.w_qu = reinterpret_cast<const bf16_t*>(w_qu.data_ptr());
+  p.w_qu_stride = w_qu.stride(0);
+  p.w_uk = reinterpret_cast<const bf16_t*>(w_uk.data_ptr());
+  p.w_uk_row_stride = w_uk.stride(1);
+  p.w_uk_head_stride = w_uk.stride(0);
+  p.q_abs = reinterpret_cast<bf16_t*>(q_abs.data_ptr());
+  p.qa_head_stride = q_abs.stride(0);
+  p.qa_row_stride = q_abs.stride(1);
+  p.q_pe = reinterpret_cast<bf16_t*>(q_pe.data_ptr());
+  p.qp_row_stride = q_pe.stride(0);
+  p.qp_head_stride = q_pe.stride(1);
+  p.m = static_cast<int>(m);
+  p.k = static_cast<int>(k);
+  p.heads = static_cast<int>(heads);
+  p.nope = static_cast<int>(nope);
+  p.rope = static_cast<int>(rope);
+  p.r = static_cast<int>(r);
+  p.pdl = pdl;
+  c10::cuda::CUDAGuard guard(dev);
+  if (const char* e = query_sm90_check(p)) fail_value(e);
+  check_launch(launch_query_sm90(p, at::cuda::getCurrentCUDAStream().stream()), "query_fused launch");
+}
+
 }  // namespace mla::api
 
 TORCH_LIBRARY_FRAGMENT(mla_decode, m) {
@@ -206,10 +262,12 @@ TORCH_LIBRARY_FRAGMENT(mla_decode, m) {
       "gemm_nt(Tensor x, Tensor w0, Tensor(a!) y0, Tensor? w1=None, Tensor(b!)? y1=None, Tensor? row_pos1=None, "
       "bool pdl=False) -> ()");
   m.def("gemm_nt_config(Tensor x, Tensor w0, Tensor y0, Tensor? w1=None, Tensor? y1=None) -> int[]");
+  m.def("query_fused(Tensor q_lora, Tensor w_qu, Tensor w_uk, Tensor(a!) q_abs, Tensor(b!) q_pe, bool pdl=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
   m.impl("rope_append", &mla::api::rope_append);
   m.impl("gemm_nt", &mla::api::gemm_nt);
   m.impl("gemm_nt_config", &mla::api::gemm_nt_config);
+  m.impl("query_fused", &mla::api::query_fused);
 }

@@ -50,6 +50,10 @@ struct GemmConfig {
   int64_t ws_bytes;
 };
 
+// The current device's SM count and opt-in shared memory per block, queried
+// once per device (NVIDIA builds; the Hopper kernels' planners).
+bool sm90_device_limits(int* sms, int* smem_max);
+
 // nullptr when the Hopper kernel takes these sizes (else why not); fills cfg.
 const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg);
 // Launches with cfg as gemm_sm90_config filled it for p (planned once per

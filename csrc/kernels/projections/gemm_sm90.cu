@@ -318,35 +318,6 @@ int active_clusters(KernelFn fn, int splits, int smem) {
   return n;
 }
 
-// The current device's SM count and opt-in shared memory per block, queried
-// once per device (plan() runs on every launch).
-bool device_limits(int* sms, int* smem_max) {
-  static std::mutex mu;
-  static std::map<int, std::pair<int, int>> cache;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(dev);
-    if (it != cache.end()) {
-      *sms = it->second.first;
-      *smem_max = it->second.second;
-      return true;
-    }
-  }
-  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  cache[dev] = {*sms, *smem_max};
-  return true;
-}
-
 bool aligned16(const void* ptr, int64_t s1, int64_t s2) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s1 % 8 == 0 && s2 % 8 == 0;
 }
@@ -374,7 +345,7 @@ const char* plan(const GemmParams& p, Plan* out) {
     if (s.n < 256) wide = false;
   }
   int sms = 0, smem_max = 0;
-  if (!device_limits(&sms, &smem_max)) return "gemm_sm90: cannot query the device";
+  if (!sm90_device_limits(&sms, &smem_max)) return "gemm_sm90: cannot query the device";
   const int bm = p.m <= 64 ? 64 : p.m <= 128 ? 128 : 256;
   const int kt = (p.k + 63) / 64;
   // measurement switches (benchmarks; unset in normal use): force the tile
@@ -426,6 +397,35 @@ const char* plan(const GemmParams& p, Plan* out) {
 }
 
 }  // namespace
+
+// The current device's SM count and opt-in shared memory per block, queried
+// once per device (plan() runs on every launch).
+bool sm90_device_limits(int* sms, int* smem_max) {
+  static std::mutex mu;
+  static std::map<int, std::pair<int, int>> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(dev);
+    if (it != cache.end()) {
+      *sms = it->second.first;
+      *smem_max = it->second.second;
+      return true;
+    }
+  }
+  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache[dev] = {*sms, *smem_max};
+  return true;
+}
 
 const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg) {
   Plan pl{};

@@ -1,0 +1,36 @@
+// The query stage in one launch (pipeline step 2): per head h,
+//   q_h   = q_lora W_qu[h]^T            [m, nope + rope], rounded to bf16
+//   q_abs = q_h[:, :nope] W_UK[h]       [m, r], rounded to bf16
+//   q_pe  = q_h[:, nope:]               (un-rotated; rope_append rotates it)
+// so q_h never goes through memory and W_qu's and W_UK's bytes stream once.
+// One block per head (Hopper only: wgmma + TMA; the AMD build and the
+// shapes it does not take keep the two-product path of
+// mla_decode/projections.py).
+#pragma once
+
+#include <cstdint>
+
+#include "../../platform/bf16.h"
+
+namespace mla {
+
+struct QueryParams {
+  const bf16_t* q_lora;  // [m, k], unit last stride
+  int64_t q_lora_stride;
+  const bf16_t* w_qu;    // [heads * (nope + rope), k], unit last stride
+  int64_t w_qu_stride;
+  const bf16_t* w_uk;    // [heads, nope, r], unit last stride
+  int64_t w_uk_row_stride, w_uk_head_stride;
+  bf16_t* q_abs;         // [heads, m, r], unit last stride
+  int64_t qa_head_stride, qa_row_stride;
+  bf16_t* q_pe;          // [m, heads, rope], unit last stride
+  int64_t qp_row_stride, qp_head_stride;
+  int m, k, heads, nope, rope, r;
+  bool pdl;  // launch as a programmatic dependent (the weights stream before the wait for q_lora)
+};
+
+// nullptr when the Hopper kernel takes these sizes (else why not).
+const char* query_sm90_check(const QueryParams& p);
+const char* launch_query_sm90(const QueryParams& p, stream_t stream);
+
+}  // namespace mla
