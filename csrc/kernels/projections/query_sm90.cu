@@ -4,8 +4,10 @@
 // (64 rows of the batch per consumer warpgroup, K-major), W_qu[h]'s 192 rows
 // its B operand (K-major): an n128 product for the nope columns and an n64
 // one for the rope columns, over 64-column k blocks that one producer warp
-// streams through a `stages`-deep ring (TMA, 128-byte swizzle; rows past m
-// and columns past k arrive as zeros). A slot holds W_qu[h]'s k block (24 KB)
+// streams through a `stages`-deep ring (TMA, 128-byte swizzle; columns past
+// k, and rows of q_lora past m up to a multiple of 8, arrive as zeros; the
+// slot's rows beyond hold stale data and reach only output rows >= m, which
+// are not stored). A slot holds W_qu[h]'s k block (24 KB)
 // and q_lora's, 64 rows per warpgroup with rows (8 or 16 KB): the ring is as
 // deep as shared memory allows (measured on an H200, bs 1: 5 slots 30.5 us,
 // 4 32.9, 3 34.4, 2 39.6; the blocks stream at the depth of their rings).
@@ -56,7 +58,7 @@ struct QueryMaps {
 
 __global__ void __launch_bounds__(kQThreads, 1)
     query_sm90_kernel(const QueryParams p, const __grid_constant__ QueryMaps maps, int stages, int stage_bytes,
-                      int out_off, int bar_off) {
+                      int out_off, int bar_off, int tx_bytes) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
   unsigned char* smem =
@@ -90,7 +92,7 @@ __global__ void __launch_bounds__(kQThreads, 1)
     // slot j's weights: W_qu[h]'s k block j, or (j >= kt) 128 columns of W_uk[h]
     auto load_w = [&](int j, unsigned char* st, uint64_t* bar) {
       if (j < kt) {
-        wg::mbar_arrive_expect_tx(bar, stage_bytes);  // q_lora's box: 64 rows per warpgroup
+        wg::mbar_arrive_expect_tx(bar, tx_bytes);  // W_qu[h]'s box and q_lora's (its rows rounded up to 8)
         wg::tma_load_3d(st, &maps.w, j * 64, h * kHeadRows, 0, bar);
       } else {
         const int c = (j - kt) * kUkCols;
@@ -270,7 +272,10 @@ const char* launch_query_sm90(const QueryParams& p, stream_t stream) {
   if (!sm90_device_limits(&sms, &smem_max)) return "query_sm90: cannot query the device";
   const Layout l = layout(p.m, p.k, p.r, smem_max);
   QueryMaps maps{};
-  const int xrows = p.m <= 64 ? 64 : 128;  // 64 per warpgroup, as the slots hold them
+  // q_lora's box: its rows rounded up to 8 (a swizzle atom), not the slot's 64 per warpgroup: rows in between
+  // hold whatever the slot held and only reach output rows >= m, which are not stored (measured on an H200:
+  // at bs 1 a 128-row box, nearly all zero fill, cost ~4 us of a 30 us kernel)
+  const int xrows = (p.m + 7) / 8 * 8;
   if (!encode_rows(&maps.x, p.q_lora, p.k, p.m, 1, p.q_lora_stride, p.q_lora_stride * p.m, xrows, true))
     return "query_sm90: TMA cannot describe q_lora";
   const int64_t wrows = static_cast<int64_t>(p.heads) * kHeadRows;
@@ -280,7 +285,7 @@ const char* launch_query_sm90(const QueryParams& p, stream_t stream) {
     return "query_sm90: TMA cannot describe W_uk";
   if (const char* e = set_max_dynamic_smem(query_sm90_kernel, l.smem)) return e;
   return launch_ex(query_sm90_kernel, dim3(p.heads), dim3(kQThreads), l.smem, stream, p.pdl, dim3(1, 1, 1), p, maps,
-                   l.stages, l.stage_bytes, l.out_off, l.bar_off);
+                   l.stages, l.stage_bytes, l.out_off, l.bar_off, kWBytes + xrows * 128);
 }
 
 #else  // AMD: the query stage keeps the vendor BLAS there
