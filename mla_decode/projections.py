@@ -77,6 +77,18 @@ def _aligned(t) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
 
 
+def _hopper_unusable(device, tensors, what):
+    """Why our Hopper kernel `what` cannot run on these bf16 operands here
+    ("vendor: ..."), or None: the checks the GEMM and the fused query share."""
+    if not _ext.kernels_usable(device):
+        return "vendor: " + _ext.backend(device)
+    if not _hopper(device):
+        return f"vendor: the {what} is Hopper-only (sm_90a build on a compute 9.x GPU)"
+    if any(t.dtype != torch.bfloat16 for t in tensors):
+        return "vendor: bf16 only"
+    return None
+
+
 def gemm_path(x, w, y=None, own=False) -> str:
     """"sm90" when ``gemm`` runs x w^T on our Hopper GEMM, else "vendor: why".
     MLA_DECODE_GEMM=sm90: every product on the Hopper GEMM where it runs;
@@ -87,12 +99,9 @@ def gemm_path(x, w, y=None, own=False) -> str:
         return "vendor: MLA_DECODE_GEMM=vendor"
     if mode != "sm90" and not own:
         return "vendor: the default for this product (MLA_DECODE_GEMM=sm90 puts every product on the Hopper GEMM)"
-    if not _ext.kernels_usable(x.device):
-        return "vendor: " + _ext.backend(x.device)
-    if not _hopper(x.device):
-        return "vendor: the skinny GEMM is Hopper-only (sm_90a build on a compute 9.x GPU)"
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return "vendor: bf16 only"
+    why = _hopper_unusable(x.device, (x, w), "skinny GEMM")
+    if why is not None:
+        return why
     m, n = x.shape[-2], w.shape[-2]
     if not 1 <= m <= 256:
         return f"vendor: {m} rows of x (the Hopper GEMM takes 1 to 256)"
@@ -174,12 +183,9 @@ def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
     MLA_DECODE_GEMM=vendor turns it off."""
     if os.environ.get("MLA_DECODE_GEMM") == "vendor":
         return "vendor: MLA_DECODE_GEMM=vendor"
-    if not _ext.kernels_usable(q_lora.device):
-        return "vendor: " + _ext.backend(q_lora.device)
-    if not _hopper(q_lora.device):
-        return "vendor: the fused query is Hopper-only (sm_90a build on a compute 9.x GPU)"
-    if any(t.dtype != torch.bfloat16 for t in (q_lora, w_qu, w_uk, qbuf)):
-        return "vendor: bf16 only"
+    why = _hopper_unusable(q_lora.device, (q_lora, w_qu, w_uk, qbuf), "fused query")
+    if why is not None:
+        return why
     H, nope, r = w_uk.shape
     rope = w_qu.shape[0] // H - nope
     if (nope, rope) != (128, 64) or r % 128:

@@ -31,6 +31,8 @@ struct QueryParams {
 
 // nullptr when the Hopper kernel takes these sizes (else why not).
 const char* query_sm90_check(const QueryParams& p);
+// Launches p, which query_sm90_check must have accepted (the op checks once,
+// to raise a ValueError, and launches); error string or nullptr.
 const char* launch_query_sm90(const QueryParams& p, stream_t stream);
 
 }  // namespace mla

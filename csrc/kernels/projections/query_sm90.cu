@@ -266,8 +266,7 @@ const char* query_sm90_check(const QueryParams& p) {
   return nullptr;
 }
 
-const char* launch_query_sm90(const QueryParams& p, stream_t stream) {
-  if (const char* e = query_sm90_check(p)) return e;
+const char* launch_query_sm90(const QueryParams& p, stream_t stream) {  // p as query_sm90_check accepted it
   int sms = 0, smem_max = 0;
   if (!sm90_device_limits(&sms, &smem_max)) return "query_sm90: cannot query the device";
   const Layout l = layout(p.m, p.k, p.r, smem_max);
