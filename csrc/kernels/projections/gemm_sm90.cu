@@ -179,13 +179,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // float4 pieces, piece (w, jj) holding x rows (columns of the m64 tile) 8 jj
   // + 2 (lane & 3) + {0, 1} at W rows r0 and r0 + 8 (r0 from the warp and
   // lane). Block `rank` of the cluster owns the pieces jj in [jlo, jhi), that
-  // is x rows [8 jlo, 8 jhi) of the tile: every block writes its other pieces
-  // to the workspace in this layout (thread-contiguous float4: coalesced),
-  // and after the cluster barrier (release / acquire: the stores are seen)
-  // adds the S partials of its own pieces in rank order (its own from
-  // registers): the sum does not depend on which block makes it. Measured on
-  // an H200 (down stage, bs 128, 6 splits): summing through distributed
-  // shared memory instead took ~6 us of a 17-23 us kernel.
+  // is x rows [8 jlo, 8 jhi) of the tile. Every block writes all its pieces
+  // to the workspace in this layout (thread-contiguous float4: coalesced);
+  // after the cluster barrier (release / acquire: the stores are seen) each
+  // thread reads the S partials of two owned pieces at a time, all 2 S loads
+  // issued before the first sum, and adds them in rank order: the sum does
+  // not depend on which block makes it. (Summing from the registers for the
+  // own partial and loading the others one piece and split at a time left
+  // ~S x pieces dependent L2 round trips per thread; through distributed
+  // shared memory the sum had taken ~6 us of a 17-23 us kernel.)
   constexpr int kJJ = kBM / 8;  // pieces per 64-row slice
   const int jlo = rank * kJJ / splits, jhi = (rank + 1) * kJJ / splits;
   const int lane = tid & 31, warp = (tid & 127) >> 5;
@@ -198,10 +200,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 #pragma unroll
       for (int w = 0; w < kMW; ++w)
 #pragma unroll
-        for (int jj = 0; jj < kJJ; ++jj)
-          if (jj < jlo || jj >= jhi)
-            __stcg(ws + ((blk + rank) * kPieces + w * kJJ + jj) * 256 + tid,
-                   make_float4(acc[w][4 * jj], acc[w][4 * jj + 1], acc[w][4 * jj + 2], acc[w][4 * jj + 3]));
+        for (int jj = 0; jj < kJJ; ++jj) {
+          float4 v;
+          v.x = acc[w][4 * jj], v.y = acc[w][4 * jj + 1], v.z = acc[w][4 * jj + 2], v.w = acc[w][4 * jj + 3];
+          __stcg(ws + ((blk + rank) * kPieces + w * kJJ + jj) * 256 + tid, v);
+        }
     }
     cluster_sync();
   }
@@ -210,27 +213,49 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   sync_threads();
   constexpr int kTileStride = kBN + 8;  // bf16; rows 16 bytes apart modulo 128: conflict-free 16-byte reads
   bf16_t* tile_s = reinterpret_cast<bf16_t*>(smem);
+  auto put = [&](int w, int jj, float4 v) {
+    const int r0 = (g * kMW + w) * 64 + warp * 16 + (lane >> 2);
+    const int c = 8 * (jj - jlo) + 2 * (lane & 3);
+    tile_s[c * kTileStride + r0] = float_to_bf16(v.x);
+    tile_s[(c + 1) * kTileStride + r0] = float_to_bf16(v.y);
+    tile_s[c * kTileStride + r0 + 8] = float_to_bf16(v.z);
+    tile_s[(c + 1) * kTileStride + r0 + 8] = float_to_bf16(v.w);
+  };
   if (tid < 256) {
+    if (splits > 1) {
+      const int nb = jhi - jlo, np = kMW * nb;
+      for (int pi = 0; pi < np; pi += 2) {
+        float4 u[2][kMaxSplits];
 #pragma unroll
-    for (int w = 0; w < kMW; ++w)
+        for (int h = 0; h < 2; ++h) {
+          const int pc = min(pi + h, np - 1);
+          const int64_t base = (blk * kPieces + (pc / nb) * kJJ + jlo + pc % nb) * 256 + tid;
 #pragma unroll
-      for (int jj = 0; jj < kJJ; ++jj) {
-        if (jj < jlo || jj >= jhi) continue;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int q = 0; q < splits; ++q) {
-          const float4 u = q == rank ? make_float4(acc[w][4 * jj], acc[w][4 * jj + 1], acc[w][4 * jj + 2],
-                                                   acc[w][4 * jj + 3])
-                                     : __ldcg(ws + ((blk + q) * kPieces + w * kJJ + jj) * 256 + tid);
-          v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+          for (int q = 0; q < kMaxSplits; ++q)
+            if (q < splits) u[h][q] = __ldcg(ws + base + static_cast<int64_t>(q) * kPieces * 256);
         }
-        const int r0 = (g * kMW + w) * 64 + warp * 16 + (lane >> 2);
-        const int c = 8 * (jj - jlo) + 2 * (lane & 3);
-        tile_s[c * kTileStride + r0] = float_to_bf16(v.x);
-        tile_s[(c + 1) * kTileStride + r0] = float_to_bf16(v.y);
-        tile_s[c * kTileStride + r0 + 8] = float_to_bf16(v.z);
-        tile_s[(c + 1) * kTileStride + r0 + 8] = float_to_bf16(v.w);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (pi + h >= np) break;
+          float4 v = u[h][0];
+#pragma unroll
+          for (int q = 1; q < kMaxSplits; ++q)
+            if (q < splits) v.x += u[h][q].x, v.y += u[h][q].y, v.z += u[h][q].z, v.w += u[h][q].w;
+          put((pi + h) / nb, jlo + (pi + h) % nb, v);
+        }
       }
+    } else {
+      // (+ 0.f: converting the accumulators straight to bf16 made ptxas
+      // serialize every wgmma of the k loop, C7514; an add keeps it from that)
+#pragma unroll
+      for (int w = 0; w < kMW; ++w)
+#pragma unroll
+        for (int jj = 0; jj < kJJ; ++jj)
+          put(w, jj, make_float4(acc[w][4 * jj] + 0.f, acc[w][4 * jj + 1] + 0.f, acc[w][4 * jj + 2] + 0.f,
+                                 acc[w][4 * jj + 3] + 0.f));
+    }
   }
+
   sync_threads();
 
   pdl_wait();  // (a no-op by now; y may be read by the previous kernel)
