@@ -3,7 +3,8 @@
     python benchmarks/bench_projections.py [--bs 1 32 128] [--json FILE]
 
 Each stage (mla_decode.projections: down = x W_qd^T and x W_kvd^T, query =
-up-projection + W_UK absorption + the RoPE/cache-append kernel, output =
+up-projection + W_UK absorption + RoPE and the cache append (inside the
+fused query's launch where it runs, else the RoPE/cache-append kernel), output =
 W_UV + wo) is captured in a
 graph and replayed with the L2 cache flushed before each replay (device
 events, median): the weights stream from memory as in a full step. GB/s is
@@ -53,9 +54,9 @@ def stages(bs):
     y = torch.empty(bs, config.dim, dtype=torch.bfloat16, device="cuda")
     nb = projections.stage_weight_bytes(dims)
 
-    def query():
-        q_pe = projections.query(q_lora, config.Q_proj_up_weight, wkv[:, :nope], qbuf)
-        projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, kv.data)
+    def query():  # as the step runs it: one launch where the fused query takes the RoPE and the append
+        projections.query_rope_append(q_lora, config.Q_proj_up_weight, wkv[:, :nope], kv_new, seqlens, tables, qbuf,
+                                      kv.data)
 
     return [
         ("down (two GEMMs, weights where they lie)", nb["down"],

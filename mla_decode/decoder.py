@@ -1,8 +1,10 @@
 """custom_kernel and the decoder object: validation, per-cache state, backends.
 
 Backends:
-- "kernels": the projection stages of mla_decode.projections (vendor GEMMs
-  writing where the next stage reads, and the RoPE + cache-append kernel),
+- "kernels": the projection stages of mla_decode.projections (on Hopper our
+  GEMM for the down stage and one fused launch for the query, its RoPE and
+  the cache append; elsewhere vendor GEMMs writing where the next stage
+  reads and the RoPE + cache-append kernel),
   the split-KV attention kernel reading a rotated copy of the cache's rope
   columns, with LSE combine; from the second call on a (cache, dims, weight
   addresses) key the whole step is a replayed CUDA/HIP graph.
@@ -496,9 +498,8 @@ class MLADecoder:
         # 3-4. query: up-projection and W_UK absorption into the attention's layout,
         # then RoPE at the new row's position and the append of the new row
         qbuf = torch.empty(H, bs, r + dims.rope, dtype=torch.bfloat16, device=x2.device)
-        q_pe = projections.query(q_lora, config.Q_proj_up_weight, w_uk, qbuf)
-        q_att = projections.rope_append(q_pe, kv_new, seqlens, tables, qbuf, data, kernel=(which == "kernels"),
-                                        kpe=kpe)
+        q_att = projections.query_rope_append(q_lora, config.Q_proj_up_weight, w_uk, kv_new, seqlens, tables, qbuf,
+                                              data, kernel=(which == "kernels"), kpe=kpe)
         scale = 1.0 / math.sqrt(dims.nope + dims.rope)
         # 5. attention over the latent cache
         if which == "kernels":

@@ -96,3 +96,76 @@ def test_fused_query_checks_its_operands():
     q2, w2, uk2 = operands(8, 4, 256, nope=64)
     with pytest.raises(ValueError, match="128 nope"):
         op(q2, w2, uk2, q_abs, torch.empty(8, 4, 64, dtype=torch.bfloat16, device="cuda"), False)
+
+
+@pytest.mark.parametrize("m,heads,k", [(1, 128, 1536), (32, 128, 1536), (128, 128, 1536), (100, 3, 72)])
+def test_fused_query_append_matches_the_two_stages(m, heads, k):
+    """With kv_new / seqlens / rope_cs / cache (/ kpe_out), the one launch
+    rotates q_pe and appends the cache row as rope_append does after the plain
+    fused query: the same bits everywhere (rope_append's own exactness is
+    tested against PyTorch in test_projections.py), NaN-filled buffers
+    untouched elsewhere, and sequences whose position lies outside the cache
+    left alone in both."""
+    from mla_decode.attention import rope_table
+
+    q_lora, w_qu, w_uk = operands(m, heads, k, seed=7 * m + heads)
+    r, L = w_uk.shape[2], 40
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    kv_new = rand(m, r + 64, g=g)
+    lens = torch.randint(1, L + 1, (m,), generator=g, device="cuda", dtype=torch.int32)
+    if m > 2:
+        lens[1] = 0        # position -1: nothing written
+        lens[2] = L + 1    # past the cache: nothing written
+    table = rope_table(L, 64, "cuda")
+
+    def buffers():
+        nan = float("nan")
+        return (torch.full((heads, m, r + 64), nan, dtype=torch.bfloat16, device="cuda"),
+                torch.full((m, L, r + 64), nan, dtype=torch.bfloat16, device="cuda"),
+                torch.full((m, L + 2, 64), nan, dtype=torch.bfloat16, device="cuda"))
+
+    # the two stages: the fused query (un-rotated q_pe), then the rope_append kernel
+    qbuf_a, cache_a, kpe_a = buffers()
+    q_pe = torch.empty(m, heads, 64, dtype=torch.bfloat16, device="cuda")
+    torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf_a[:, :, :r], q_pe, False)
+    torch.ops.mla_decode.rope_append(q_pe, kv_new, lens, table, qbuf_a[:, :, r:].transpose(0, 1), cache_a, kpe_a)
+    # one launch
+    qbuf_b, cache_b, kpe_b = buffers()
+    torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf_b[:, :, :r], qbuf_b[:, :, r:].transpose(0, 1), False,
+                                     kv_new, lens, table, cache_b, kpe_b)
+    for name, a, b in (("qbuf", qbuf_a, qbuf_b), ("cache", cache_a, cache_b), ("kpe", kpe_a, kpe_b)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True, msg=lambda s: f"{name}: {s}")
+    valid = (lens >= 1) & (lens <= L)
+    assert not torch.isnan(qbuf_b[:, valid, r:]).any(), "rotated q_pe missing"
+    assert torch.isnan(qbuf_b[:, ~valid, r:]).all(), "q_pe written for a sequence outside the cache"
+    rows = torch.arange(m, device="cuda")[valid]
+    assert torch.equal(cache_b[rows, lens[valid].long() - 1], kv_new[valid]), "cache row"
+    # the decoder's path: query_rope_append takes the one launch where query_path says sm90
+    if projections.query_path(q_lora, w_qu, w_uk, qbuf_b) == "sm90":
+        qbuf_c, cache_c, kpe_c = buffers()
+        q_att = projections.query_rope_append(q_lora, w_qu, w_uk, kv_new, lens, (table, None, None), qbuf_c, cache_c,
+                                              kpe=kpe_c)
+        assert q_att.data_ptr() == qbuf_c.data_ptr() and q_att.shape == (m, 1, heads, r + 64)
+        torch.testing.assert_close(qbuf_c, qbuf_a, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(cache_c, cache_a, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fused_query_append_checks_its_operands():
+    q_lora, w_qu, w_uk = operands(8, 4, 256)
+    q_abs = torch.empty(4, 8, 512, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.empty(8, 4, 64, dtype=torch.bfloat16, device="cuda")
+    kv_new = torch.zeros(8, 576, dtype=torch.bfloat16, device="cuda")
+    cache = torch.full((8, 16, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lens = torch.ones(8, dtype=torch.int32, device="cuda")
+    cs = torch.zeros(16, 64, dtype=torch.bfloat16, device="cuda")
+    op = torch.ops.mla_decode.query_fused
+    with pytest.raises(ValueError, match="together"):
+        op(q_lora, w_qu, w_uk, q_abs, q_pe, False, kv_new, lens, cs)
+    with pytest.raises(ValueError, match="cover every cache position"):
+        op(q_lora, w_qu, w_uk, q_abs, q_pe, False, kv_new, lens, cs[:8], cache)
+    with pytest.raises(ValueError, match=r"cache must have shape \[bs, max_seq_len, width\]"):
+        op(q_lora, w_qu, w_uk, q_abs, q_pe, False, kv_new, lens, cs, cache[:, :, :512])
+    with pytest.raises(TypeError, match="seqlens"):
+        op(q_lora, w_qu, w_uk, q_abs, q_pe, False, kv_new, lens.long(), cs, cache)
+    torch.cuda.synchronize()
+    assert torch.isnan(cache).all(), "a failed check wrote the cache"

@@ -16,28 +16,34 @@
 
 namespace mla::api {
 
-void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Tensor& seqlens,
-                 const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
-                 const c10::optional<at::Tensor>& kpe_out) {
-  if (!q_pe.is_cuda()) fail_value("q_pe must be on a GPU, got " + q_pe.device().str());
-  const at::Device dev = q_pe.device();
+namespace {
+
+// rope_append's operands checked and described (rope_append.h): q_out [bs,
+// heads, rope] the rotated destination; q_pe, where given, its un-rotated
+// source of the same shape (the fused query has none: it rotates its
+// accumulators). Raises before anything is written.
+RopeAppendParams rope_append_params(const at::Tensor* q_pe, const at::Tensor& q_out, const at::Tensor& kv_new,
+                                    const at::Tensor& seqlens, const at::Tensor& rope_cs, const at::Tensor& cache,
+                                    const c10::optional<at::Tensor>& kpe_out) {
+  if (!q_out.is_cuda()) fail_value("q_out must be on a GPU, got " + q_out.device().str());
+  const at::Device dev = q_out.device();
+  if (q_pe != nullptr) check_device(*q_pe, "q_pe", dev);
   check_device(kv_new, "kv_new", dev);
   check_device(seqlens, "seqlens", dev);
   check_device(rope_cs, "rope_cs", dev);
-  check_device(q_out, "q_out", dev);
   check_device(cache, "cache", dev);
-  check_dtype(q_pe, "q_pe", at::kBFloat16);
+  if (q_pe != nullptr) check_dtype(*q_pe, "q_pe", at::kBFloat16);
   check_dtype(kv_new, "kv_new", at::kBFloat16);
   check_dtype(seqlens, "seqlens", at::kInt);
   check_dtype(rope_cs, "rope_cs", at::kBFloat16);
   check_dtype(q_out, "q_out", at::kBFloat16);
   check_dtype(cache, "cache", at::kBFloat16);
-  check_shape(q_pe, "q_pe", {-1, -1, -1}, "[bs, heads, rope]");
-  const int64_t bs = q_pe.size(0), heads = q_pe.size(1), rope = q_pe.size(2);
+  check_shape(q_out, "q_out", {-1, -1, -1}, "[bs, heads, rope]");
+  const int64_t bs = q_out.size(0), heads = q_out.size(1), rope = q_out.size(2);
   if (bs <= 0 || heads <= 0 || rope <= 0 || rope % 2)
-    fail_value("q_pe must have shape [bs, heads, rope] with bs, heads > 0 and rope even and > 0, got " +
-               shape_str(q_pe));
-  check_shape(q_out, "q_out", {bs, heads, rope}, "[bs, heads, rope] (as q_pe)");
+    fail_value("q_out must have shape [bs, heads, rope] with bs, heads > 0 and rope even and > 0, got " +
+               shape_str(q_out));
+  if (q_pe != nullptr) check_shape(*q_pe, "q_pe", {bs, heads, rope}, "[bs, heads, rope] (as q_out)");
   check_shape(kv_new, "kv_new", {bs, -1}, "[bs, width]");
   const int64_t width = kv_new.size(1);
   check_shape(cache, "cache", {bs, -1, width}, "[bs, max_seq_len, width] (width as kv_new)");
@@ -45,8 +51,9 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
   check_contiguous(seqlens, "seqlens");
   check_shape(rope_cs, "rope_cs", {-1, rope}, "[positions, rope]");
   check_contiguous(rope_cs, "rope_cs");
-  for (const at::Tensor* t : {&q_pe, static_cast<const at::Tensor*>(&q_out), &kv_new, static_cast<const at::Tensor*>(&cache)})
-    if (t->numel() && t->stride(-1) != 1) fail_value("rope_append: every tensor must have a unit last stride");
+  for (const at::Tensor* t : {q_pe, &q_out, &kv_new, &cache})
+    if (t != nullptr && t->numel() && t->stride(-1) != 1)
+      fail_value("rope_append: every tensor must have a unit last stride");
   if (width <= 0 || cache.size(1) <= 0) fail_value("kv_new and cache must be non-empty, got " + shape_str(cache));
   if (rope_cs.size(0) < cache.size(1))
     fail_value("rope_cs must cover every cache position (" + num(cache.size(1)) + " rows), got " +
@@ -64,9 +71,11 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
   if (cache.size(1) > INT32_MAX || heads * rope > INT32_MAX) fail("rope_append: sizes overflow int32");
 
   RopeAppendParams p{};
-  p.q_pe = reinterpret_cast<const bf16_t*>(q_pe.data_ptr());
-  p.q_b_stride = q_pe.stride(0);
-  p.q_h_stride = q_pe.stride(1);
+  if (q_pe != nullptr) {
+    p.q_pe = reinterpret_cast<const bf16_t*>(q_pe->data_ptr());
+    p.q_b_stride = q_pe->stride(0);
+    p.q_h_stride = q_pe->stride(1);
+  }
   p.q_out = reinterpret_cast<bf16_t*>(q_out.data_ptr());
   p.o_b_stride = q_out.stride(0);
   p.o_h_stride = q_out.stride(1);
@@ -86,6 +95,18 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
   p.width = static_cast<int>(width);
   p.max_len = static_cast<int>(cache.size(1));
   p.positions = static_cast<int>(std::min<int64_t>(rope_cs.size(0), INT32_MAX));
+  return p;
+}
+
+}  // namespace
+
+void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Tensor& seqlens,
+                 const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
+                 const c10::optional<at::Tensor>& kpe_out) {
+  if (!q_pe.is_cuda()) fail_value("q_pe must be on a GPU, got " + q_pe.device().str());
+  check_device(q_out, "q_out", q_pe.device());
+  const RopeAppendParams p = rope_append_params(&q_pe, q_out, kv_new, seqlens, rope_cs, cache, kpe_out);
+  const at::Device dev = q_pe.device();
   c10::cuda::CUDAGuard guard(dev);
   check_launch(launch_rope_append(p, at::cuda::getCurrentCUDAStream().stream()), "rope_append launch");
 }
@@ -199,9 +220,13 @@ std::vector<int64_t> gemm_nt_config(const at::Tensor& x, const at::Tensor& w0, c
 }
 
 // q_abs [heads, m, r] = (q_lora W_qu^T)[:, h, :nope] W_uk[h] and q_pe [m, heads, rope] = (q_lora W_qu^T)[:, h,
-// nope:] in one launch (query.h).
+// nope:] in one launch (query.h). With kv_new, seqlens, rope_cs and cache (and optionally kpe_out), also
+// rope_append's work in the same launch: q_pe is written rotated at position seqlens[b] - 1, the new cache rows
+// (and their rotated k_pe) are written.
 void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Tensor& w_uk, at::Tensor& q_abs,
-                 at::Tensor& q_pe, bool pdl) {
+                 at::Tensor& q_pe, bool pdl, const c10::optional<at::Tensor>& kv_new,
+                 const c10::optional<at::Tensor>& seqlens, const c10::optional<at::Tensor>& rope_cs,
+                 const c10::optional<at::Tensor>& cache, const c10::optional<at::Tensor>& kpe_out) {
   if (!q_lora.is_cuda()) fail_value("q_lora must be on a GPU, got " + q_lora.device().str());
   const at::Device dev = q_lora.device();
   const std::pair<const at::Tensor*, const char*> ts[] = {
@@ -247,6 +272,13 @@ void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Ten
   p.rope = static_cast<int>(rope);
   p.r = static_cast<int>(r);
   p.pdl = pdl;
+  if (kv_new.has_value() || seqlens.has_value() || rope_cs.has_value() || cache.has_value() || kpe_out.has_value()) {
+    if (!kv_new.has_value() || !seqlens.has_value() || !rope_cs.has_value() || !cache.has_value())
+      fail_value("query_fused: the append takes kv_new, seqlens, rope_cs and cache together (kpe_out optional)");
+    p.ra = rope_append_params(nullptr, q_pe, *kv_new, *seqlens, *rope_cs, *cache, kpe_out);
+    if (reinterpret_cast<uintptr_t>(p.ra.rope_cs) % 4 != 0)
+      fail_value("query_fused: rope_cs needs a 4-byte aligned base");
+  }
   c10::cuda::CUDAGuard guard(dev);
   if (const char* e = query_sm90_check(p)) fail_value(e);
   check_launch(launch_query_sm90(p, at::cuda::getCurrentCUDAStream().stream()), "query_fused launch");
@@ -262,7 +294,10 @@ TORCH_LIBRARY_FRAGMENT(mla_decode, m) {
       "gemm_nt(Tensor x, Tensor w0, Tensor(a!) y0, Tensor? w1=None, Tensor(b!)? y1=None, Tensor? row_pos1=None, "
       "bool pdl=False) -> ()");
   m.def("gemm_nt_config(Tensor x, Tensor w0, Tensor y0, Tensor? w1=None, Tensor? y1=None) -> int[]");
-  m.def("query_fused(Tensor q_lora, Tensor w_qu, Tensor w_uk, Tensor(a!) q_abs, Tensor(b!) q_pe, bool pdl=False) -> ()");
+  m.def(
+      "query_fused(Tensor q_lora, Tensor w_qu, Tensor w_uk, Tensor(a!) q_abs, Tensor(b!) q_pe, bool pdl=False, "
+      "Tensor? kv_new=None, Tensor? seqlens=None, Tensor? rope_cs=None, Tensor(c!)? cache=None, "
+      "Tensor(d!)? kpe_out=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {

@@ -1,8 +1,15 @@
 // The query stage in one launch (pipeline step 2): per head h,
 //   q_h   = q_lora W_qu[h]^T            [m, nope + rope], rounded to bf16
 //   q_abs = q_h[:, :nope] W_UK[h]       [m, r], rounded to bf16
-//   q_pe  = q_h[:, nope:]               (un-rotated; rope_append rotates it)
+//   q_pe  = q_h[:, nope:]               un-rotated, or with `append` the
+//                                       attention's rotated q_pe (below)
 // so q_h never goes through memory and W_qu's and W_UK's bytes stream once.
+// With append (ra.seqlens set), the kernel also does rope_append's work (see
+// rope_append.h) in the same launch: q_pe is rotated at position
+// seqlens[b] - 1 as it is stored (ra.q_pe / q_b_stride / q_h_stride unused:
+// the rotation reads the accumulators), and the new cache row and its
+// rotated k_pe are written (the producer warp's idle lanes, one sequence per
+// block in turn).
 // One block per head (Hopper only: wgmma + TMA; the AMD build and the
 // shapes it does not take keep the two-product path of
 // mla_decode/projections.py).
@@ -11,6 +18,7 @@
 #include <cstdint>
 
 #include "../../platform/bf16.h"
+#include "rope_append.h"
 
 namespace mla {
 
@@ -26,6 +34,7 @@ struct QueryParams {
   bf16_t* q_pe;          // [m, heads, rope], unit last stride
   int64_t qp_row_stride, qp_head_stride;
   int m, k, heads, nope, rope, r;
+  RopeAppendParams ra;  // append when ra.seqlens != nullptr (its q_pe and q_out fields unused: q_pe above is written)
   bool pdl;  // launch as a programmatic dependent (the weights stream before the wait for q_lora)
 };
 

@@ -23,6 +23,8 @@
 // when the ring has more slots than phase 2 takes, else after the ring.
 // With pdl, the weights of the first `stages` slots are requested before
 // griddepcontrol.wait: they do not depend on the previous kernel, q_lora does.
+// With append (query.h), q_pe is rotated as it is stored, and a tenth warp
+// writes the new cache rows (append_rows).
 #include <algorithm>
 
 #include "../../platform/bf16.h"
@@ -37,7 +39,7 @@ namespace mla {
 #if MLA_NVIDIA
 namespace {
 
-constexpr int kQThreads = 288;          // two consumer warpgroups (64 rows of q_lora each) + the producer warp
+constexpr int kQThreads = 320;  // two consumer warpgroups (64 rows of q_lora each), the producer warp, the append warp
 constexpr int kNope = 128, kRope = 64;  // the head's column split the kernel is written for
 constexpr int kHeadRows = kNope + kRope;
 constexpr int kWBytes = kHeadRows * 128;      // one 64-column k block of W_qu[h]
@@ -47,6 +49,7 @@ constexpr int kUkBoxBytes = kNope * 128;        // one 64-column box of W_uk[h] 
 constexpr int kUkBytes = 2 * kUkBoxBytes;       // a phase-2 slot: 128 columns
 constexpr int kOutStride = kUkCols + 8;         // bf16 per row of a staging tile (16-byte aligned, conflict-free)
 constexpr int kOutBytes = 64 * kOutStride * 2;  // one warpgroup's staging tile: 64 rows of q_abs, 128 columns
+static_assert(kRope / 2 <= 32, "the append warp rotates one k_pe pair per lane");
 static_assert(kWBytes % 1024 == 0 && kXBytes % 1024 == 0 && kUkBytes <= kWBytes + kXBytes,
               "ring slots on swizzle-atom boundaries; a slot holds a phase-2 piece");
 
@@ -55,6 +58,50 @@ struct QueryMaps {
   CUtensorMap w;   // W_qu [heads * 192][k], boxes 64 x 192
   CUtensorMap uk;  // W_uk [heads][nope][r], boxes 64 (r) x 128 (nope)
 };
+
+// rope_append's cache rows for sequences b0, b0 + step, ... (one warp,
+// `lane` 0-31): cache[b, pos] = kv_new[b] and kpe_out[b, pos] =
+// rot(kv_new[b, width - rope:]), pos = seqlens[b] - 1 (none outside the
+// cache). Each lane's loads are issued before its stores: 16-byte pieces
+// where the rows allow (a one-element-per-lane loop of dependent loads and
+// stores sharing the producer's warp had made the kernel ~8 us slower at bs
+// 128, measured on an H200).
+MLA_DEVICE void append_rows(const RopeAppendParams& ra, int b0, int step, int lane) {
+  pdl_wait();  // kv_new is the previous kernel's output
+  constexpr int half = kRope / 2;
+  const int lim = min(ra.max_len, ra.positions);
+  for (int b = b0; b < ra.bs; b += step) {
+    const int pos = ra.seqlens[b] - 1;
+    if (pos < 0 || pos >= lim) continue;
+    const bf16_t* src = ra.kv_new + b * ra.kv_b_stride;
+    bf16_t* dst = ra.cache + b * ra.c_b_stride + static_cast<int64_t>(pos) * ra.c_row_stride;
+    const bf16_t* cs = ra.rope_cs + static_cast<int64_t>(pos) * kRope;
+    const bf16_t* kp = src + ra.width - kRope;
+    float k1 = 0.f, k2 = 0.f, c = 0.f, sn = 0.f;
+    if (ra.kpe_out != nullptr && lane < half)
+      k1 = bf16_to_float(kp[lane]), k2 = bf16_to_float(kp[lane + half]), c = bf16_to_float(cs[lane]),
+      sn = bf16_to_float(cs[half + lane]);
+    if (ra.width % 8 == 0 && ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
+      const uint4* s4 = reinterpret_cast<const uint4*>(src);
+      uint4* d4 = reinterpret_cast<uint4*>(dst);
+      for (int i0 = 0; i0 < ra.width / 8; i0 += 4 * 32) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + lane + 32 * u < ra.width / 8) v[u] = s4[i0 + lane + 32 * u];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + lane + 32 * u < ra.width / 8) d4[i0 + lane + 32 * u] = v[u];
+      }
+    } else {
+      for (int i = lane; i < ra.width; i += 32) dst[i] = src[i];
+    }
+    if (ra.kpe_out != nullptr && lane < half) {
+      bf16_t* ko = ra.kpe_out + b * ra.k_b_stride + static_cast<int64_t>(pos) * ra.k_row_stride;
+      rope_pair(k1, k2, c, sn, &ko[lane], &ko[lane + half]);
+    }
+  }
+}
 
 __global__ void __launch_bounds__(kQThreads, 1)
     query_sm90_kernel(const QueryParams p, const __grid_constant__ QueryMaps maps, int stages, int stage_bytes,
@@ -87,6 +134,11 @@ __global__ void __launch_bounds__(kQThreads, 1)
   }
   sync_threads();  // the last block-wide barrier: the roles part here
 
+  if (tid >= 288) {  // the append warp: with append, the new cache rows (and their rotated k_pe) of
+                     // sequences h, h + heads, ..., once kv_new has landed
+    if (p.ra.seqlens != nullptr) append_rows(p.ra, h, static_cast<int>(gridDim.x), tid - 288);
+    return;
+  }
   if (tid >= 256) {  // the producer warp; one lane issues
     if (tid != 256) return;
     // slot j's weights: W_qu[h]'s k block j, or (j >= kt) 128 columns of W_uk[h]
@@ -157,14 +209,43 @@ __global__ void __launch_bounds__(kQThreads, 1)
   const int lane = tid & 31, t4 = lane & 3;
   const int r0 = g * 64 + ((tid & 127) >> 5) * 16 + (lane >> 2), r1 = r0 + 8;
   pdl_wait();  // (a no-op by now: q_lora has landed) the outputs may still be read by the previous kernel
-  // q_pe, un-rotated
+  // q_pe, un-rotated, or with append rotated at its sequence's position:
+  // column j < rope/2 (slot i) pairs with j + rope/2 (slot i + 16), both
+  // this thread's; the rotation takes q_pe rounded to bf16, as rope_append
+  // reads it from memory
   bf16_t* qp = p.q_pe + static_cast<int64_t>(h) * p.qp_head_stride + 2 * t4;
+  if (p.ra.seqlens == nullptr) {
 #pragma unroll
-  for (int jn = 0; jn < kRope / 8; ++jn) {
-    if (r0 < p.m)
-      *reinterpret_cast<uint32_t*>(qp + r0 * p.qp_row_stride + 8 * jn) = pack_bf16x2(ar[4 * jn], ar[4 * jn + 1]);
-    if (r1 < p.m)
-      *reinterpret_cast<uint32_t*>(qp + r1 * p.qp_row_stride + 8 * jn) = pack_bf16x2(ar[4 * jn + 2], ar[4 * jn + 3]);
+    for (int jn = 0; jn < kRope / 8; ++jn) {
+      if (r0 < p.m)
+        *reinterpret_cast<uint32_t*>(qp + r0 * p.qp_row_stride + 8 * jn) = pack_bf16x2(ar[4 * jn], ar[4 * jn + 1]);
+      if (r1 < p.m)
+        *reinterpret_cast<uint32_t*>(qp + r1 * p.qp_row_stride + 8 * jn) =
+            pack_bf16x2(ar[4 * jn + 2], ar[4 * jn + 3]);
+    }
+  } else {
+    const int lim = min(p.ra.max_len, p.ra.positions);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = r0 + 8 * hr;
+      if (row >= p.m) continue;
+      const int pos = p.ra.seqlens[row] - 1;
+      if (pos < 0 || pos >= lim) continue;  // (rope_append writes nothing for such a sequence either)
+      const bf16_t* cs = p.ra.rope_cs + static_cast<int64_t>(pos) * kRope + 2 * t4;
+      bf16_t* o = qp + row * p.qp_row_stride;
+#pragma unroll
+      for (int jn = 0; jn < kRope / 16; ++jn) {
+        const uint32_t c2 = *reinterpret_cast<const uint32_t*>(cs + 8 * jn);
+        const uint32_t s2 = *reinterpret_cast<const uint32_t*>(cs + kRope / 2 + 8 * jn);
+        bf16_t y[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          rope_pair(round_bf16(ar[4 * jn + 2 * hr + e]), round_bf16(ar[4 * (jn + kRope / 16) + 2 * hr + e]),
+                    e ? bf16_hi(c2) : bf16_lo(c2), e ? bf16_hi(s2) : bf16_lo(s2), &y[e], &y[2 + e]);
+        *reinterpret_cast<uint32_t*>(o + 8 * jn) = y[0].bits | (static_cast<uint32_t>(y[1].bits) << 16);
+        *reinterpret_cast<uint32_t*>(o + kRope / 2 + 8 * jn) = y[2].bits | (static_cast<uint32_t>(y[3].bits) << 16);
+      }
+    }
   }
   // q_nope rounded to bf16, packed as the A operand of phase 2 (k16 step kk: pa[4 kk .. 4 kk + 3])
   uint32_t pa[kNope / 4];

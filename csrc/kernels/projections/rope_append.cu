@@ -19,10 +19,8 @@ MLA_GLOBAL void __launch_bounds__(kThreads) rope_append_kernel(RopeAppendParams 
   bf16_t* o = p.q_out + b * p.o_b_stride;
   // one rotation pair: x[j], x[j + half] -> y[j], y[j + half]
   auto rotate = [&](const bf16_t* x, bf16_t* y, int j) {
-    const float x1 = bf16_to_float(x[j]), x2 = bf16_to_float(x[j + half]);
-    const float c = bf16_to_float(cs[j]), s = bf16_to_float(cs[half + j]);
-    y[j] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
-    y[j + half] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+    rope_pair(bf16_to_float(x[j]), bf16_to_float(x[j + half]), bf16_to_float(cs[j]), bf16_to_float(cs[half + j]),
+              &y[j], &y[j + half]);
   };
   const int i = block_y() * kThreads + thread_x();
   if (i < p.heads * half) {

@@ -27,6 +27,15 @@ struct RopeAppendParams {
   int bs, heads, rope, width, max_len, positions;
 };
 
+// One rotation pair of the task's RoPE, bit for bit: x1 = x[j], x2 =
+// x[j + rope/2] (bf16 values), c / s the cos / sin of angle j; returns
+// (y[j], y[j + rope/2]) = (x1 c - x2 s, x2 c + x1 s), each product and the
+// sum rounded to bf16. Shared by rope_append and the fused Hopper query.
+MLA_DEVICE void rope_pair(float x1, float x2, float c, float s, bf16_t* y1, bf16_t* y2) {
+  *y1 = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+  *y2 = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+}
+
 // rot(x) = x*cos + cat(-x2, x1)*sin with each product and the sum rounded
 // to bf16 (the task's RoPE, bit for bit); cache[b, pos] = kv_new[b]; with
 // kpe_out, kpe_out[b, pos] = rot(kv_new[b, width - rope:]). A
