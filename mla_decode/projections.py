@@ -200,14 +200,16 @@ def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
     return "sm90"
 
 
-def query(q_lora, w_qu, w_uk, qbuf):
+def query(q_lora, w_qu, w_uk, qbuf, path=None):
     """q_lora [bs, q_lora]; w_qu [H*(nope+rope), q_lora]; w_uk [H, nope, r]
     (a view of W_kv_up); qbuf [H, bs, r + rope]: columns 0..r-1 are written.
     Returns q_pe [bs, H, rope] (un-rotated): a buffer of its own from the
-    fused query (``query_path``), else a view of the up-projection."""
+    fused query (``query_path``), else a view of the up-projection.
+    ``path``: what ``query_path`` said for these operands, when the caller
+    has asked it already."""
     H, nope, r = w_uk.shape
     bs = q_lora.shape[0]
-    if query_path(q_lora, w_qu, w_uk, qbuf) == "sm90":
+    if (path or query_path(q_lora, w_qu, w_uk, qbuf)) == "sm90":
         q_pe = torch.empty(bs, H, w_qu.shape[0] // H - nope, dtype=q_lora.dtype, device=q_lora.device)
         torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf[:, :, :r], q_pe, True)
         return q_pe
@@ -225,14 +227,14 @@ def query_rope_append(q_lora, w_qu, w_uk, kv_new, seqlens, tables, qbuf, cache, 
     cache row and its rotated k_pe itself; measured on an H200: the separate
     RoPE/append kernel took ~4.7 us of the step's critical path), else the
     two stages as they are."""
-    H, nope, r = w_uk.shape
-    if kernel and query_path(q_lora, w_qu, w_uk, qbuf) == "sm90":
-        rope = qbuf.shape[-1] - r
+    r = w_uk.shape[2]
+    path = query_path(q_lora, w_qu, w_uk, qbuf) if kernel else None
+    if path == "sm90":
         q_out = qbuf[:, :, r:].transpose(0, 1)
         torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf[:, :, :r], q_out, True, kv_new, seqlens, tables[0],
                                          cache, kpe)
         return qbuf.transpose(0, 1).unsqueeze(1)
-    q_pe = query(q_lora, w_qu, w_uk, qbuf)
+    q_pe = query(q_lora, w_qu, w_uk, qbuf, path=path)
     return rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=kernel, kpe=kpe)
 
 

@@ -201,9 +201,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int w = 0; w < kMW; ++w)
 #pragma unroll
         for (int jj = 0; jj < kJJ; ++jj) {
-          float4 v;
-          v.x = acc[w][4 * jj], v.y = acc[w][4 * jj + 1], v.z = acc[w][4 * jj + 2], v.w = acc[w][4 * jj + 3];
-          __stcg(ws + ((blk + rank) * kPieces + w * kJJ + jj) * 256 + tid, v);
+          __stcg(ws + ((blk + rank) * kPieces + w * kJJ + jj) * 256 + tid,
+                 make_float4(acc[w][4 * jj], acc[w][4 * jj + 1], acc[w][4 * jj + 2], acc[w][4 * jj + 3]));
         }
     }
     cluster_sync();
