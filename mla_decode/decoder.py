@@ -275,9 +275,9 @@ class _GraphStep:
         side = torch.cuda.Stream(device=device)
 
         def after_attention():  # the next step's lengths and plan, beside the output projections
-            self.seqlens.add_(1)
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(torch.cuda.current_stream())  # (after the attention, the last reader of seqlens)
             with torch.cuda.stream(side):
+                self.seqlens.add_(1)
                 self.plan.copy_(self._make_plan())
 
         with torch.cuda.graph(self.graph):
