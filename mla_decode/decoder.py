@@ -261,7 +261,11 @@ class _GraphStep:
     gives the instantiated graph (CUDAGraph.raw_cuda_graph_exec), the copies,
     the planning of a rewritten length and the launch are one C++ call
     (mla_decode._C.StepLauncher); the graph holds no random-number kernels,
-    so PyTorch's per-replay generator bookkeeping has nothing to do."""
+    so PyTorch's per-replay generator bookkeeping has nothing to do. When
+    two consecutive calls pass x at one address, the step is captured a
+    second time reading x there (direct_wanted / capture_direct; same
+    buffers and memory pool), and calls with x at that address launch it
+    with no copy in."""
 
     def __init__(self, run, dims, device):
         self.x = torch.zeros(dims.bs, dims.dim, dtype=torch.bfloat16, device=device)
@@ -271,8 +275,22 @@ class _GraphStep:
         self.plan_args = (1, dims.heads, dims.max_seq_len)  # s_q, h_q, capacity
         self.plan = self._make_plan()
         self.next_len = None  # what seqlens holds after the last replay (Python path)
-        self.graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device=device)
+        self._side = torch.cuda.Stream(device=device)
+        self.graph = self._capture(run, self.x)
+        raw = getattr(self.graph, "raw_cuda_graph_exec", None)
+        self.launcher = (_ext_module().StepLauncher(raw(), self.x, self.y, self.seqlens, list(self.y_shape),
+                                                    self.plan, *self.plan_args)
+                         if raw is not None else None)
+        # the step captured on a caller's x where it lies (see direct_wanted)
+        self.direct = None
+        self.direct_done = self.launcher is None  # (one try per step; none without the C++ launcher)
+        self._last_x = 0
+
+    def _capture(self, run, x2, pool=None):
+        """A graph of run() reading x2, writing self.y, reading and advancing
+        self.seqlens and self.plan."""
+        graph = torch.cuda.CUDAGraph()
+        side = self._side
 
         def after_attention():  # the next step's lengths and plan, beside the output projections
             side.wait_stream(torch.cuda.current_stream())  # (after the attention, the last reader of seqlens)
@@ -280,13 +298,39 @@ class _GraphStep:
                 self.seqlens.add_(1)
                 self.plan.copy_(self._make_plan())
 
-        with torch.cuda.graph(self.graph):
-            run(self.x, self.seqlens, self.y, self.plan, after_attention)
+        with torch.cuda.graph(graph, pool=pool):
+            run(x2, self.seqlens, self.y, self.plan, after_attention)
             torch.cuda.current_stream().wait_stream(side)
-        raw = getattr(self.graph, "raw_cuda_graph_exec", None)
-        self.launcher = (_ext_module().StepLauncher(raw(), self.x, self.y, self.seqlens, list(self.y_shape),
-                                                    self.plan, *self.plan_args)
-                         if raw is not None else None)
+        return graph
+
+    def direct_wanted(self, x):
+        """True once when two consecutive launches passed x at one address
+        (as a decode loop over one input buffer, or the task's harness,
+        does): the caller then captures the step on that x (capture_direct),
+        so that launches with x there need no copy in (measured on an H200:
+        ~8 us of wall clock per call). One try per step."""
+        if self.direct_done:
+            return False
+        p = x.data_ptr()
+        if p != self._last_x:
+            self._last_x = p
+            return False
+        self.direct_done = True
+        return True
+
+    def capture_direct(self, run, x):
+        """Capture run() reading x where it lies (in this step's memory pool:
+        the two graphs never run at once) and register it with the launcher.
+        The graph holds x's address, not x: a later call passing another
+        tensor there, of x's layout, is read where it lies, as it should be."""
+        try:
+            graph = self._capture(run, x.view(self.x.shape), pool=self.graph.pool())
+            self.launcher.set_direct(graph.raw_cuda_graph_exec(), x)
+        except Exception as e:  # noqa: BLE001 - said once, loudly; the step keeps copying x in
+            warnings.warn(f"mla_decode: capture of the step on the caller's x failed, x is copied in as before: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+            return
+        self.direct = graph
 
     def _make_plan(self):
         return torch.ops.mla_decode.plan(self.seqlens, *self.plan_args)
@@ -414,6 +458,8 @@ class MLADecoder:
                 step = self._graph_step(st, config, dims, data, tables)
         if step is not None:
             y = step(x, pos + 1)
+            if step.direct_wanted(x):
+                step.capture_direct(self._runner(config, dims, data, tables, st), x)
             self.last_graphed = True
             self._last = _LastCall(config, x, data, dims, self._stamp, tables, st, step)
         else:
@@ -449,6 +495,8 @@ class MLADecoder:
             y = step.launcher.launch(x, pos + 1)
             if y is None:  # the stream is capturing: the full path runs the step eagerly into the capture
                 return None
+            if step.direct_wanted(x):
+                step.capture_direct(self._runner(config, dims, data, last.tables, st), x)
         st.stepped(data, pos + 1)
         kv_cache.seq_len = pos + 1
         self.last_backend = "kernels"
@@ -538,10 +586,7 @@ class MLADecoder:
             if key in self._failed:
                 return None
         try:
-            entry = _GraphStep(lambda x2, seqlens, y, plan, after: self._core("kernels", config, dims, x2, data,
-                                                                              seqlens, y, tables, kpe=st.kpe,
-                                                                              plan=plan, after_attention=after),
-                               dims, data.device)
+            entry = _GraphStep(self._runner(config, dims, data, tables, st), dims, data.device)
         except Exception as e:  # noqa: BLE001 - said once, loudly; the call then runs eagerly
             with self._lock:
                 self._failed.add(key)
@@ -554,6 +599,11 @@ class MLADecoder:
             while len(self._graphs) > _MAX_GRAPHS:
                 self._graphs.popitem(last=False)
         return entry
+
+    def _runner(self, config, dims, data, tables, st):
+        """The step as a capture runs it: run(x2, seqlens, y, plan, after)."""
+        return lambda x2, seqlens, y, plan, after: self._core("kernels", config, dims, x2, data, seqlens, y, tables,
+                                                              kpe=st.kpe, plan=plan, after_attention=after)
 
     def step(self, data):
         config, x, kv_cache = data

@@ -229,6 +229,32 @@ def test_replay_follows_moved_storage_and_new_x():
     assert kv.data.data_ptr() == fresh.data_ptr()
 
 
+def test_step_reads_a_repeated_x_where_it_lies():
+    """Two consecutive calls with x at one address capture the step a second
+    time on that x (no copy in): it must give the eager step's y and cache
+    bit for bit while x is rewritten in place between calls, and an x at
+    another address must be copied in as before."""
+    config, x, kv = generate_input(batch_size=16, prefill=130, seed=31, device="cuda")
+    kv_e = kv.clone()
+    dg = mla_decode.MLADecoder(backend="kernels")
+    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    other = torch.empty_like(x)
+    for step in range(9):
+        use = other if step == 6 else x
+        use.copy_(torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16))  # same address, new values
+        yg, _ = dg(config, use, kv)
+        ye, _ = de(config, use, kv_e)
+        assert torch.equal(yg, ye), f"y at step {step}"
+        assert torch.equal(kv.data, kv_e.data), f"cache at step {step}"
+        if step >= 3:
+            st = dg._last.step
+            if st.launcher is None:
+                pytest.skip("this PyTorch gives no CUDAGraph.raw_cuda_graph_exec: no C++ launcher, no direct graph")
+            assert st.direct is not None and st.launcher.direct_address == x.data_ptr()
+    assert dg.last_graphed
+
+
 def test_decoder_call_inside_a_user_capture():
     """A call made while the user's stream is capturing (after graphed calls,
     so the fast path is armed) runs the step eagerly into the user's graph;
