@@ -14,7 +14,7 @@ import torch
 from ._ext import kernels_built, require_kernels
 
 __all__ = ["mla_attention", "mla_combine", "attention_reference", "rope_table", "check_attention_shape",
-           "SUPPORTED_DV", "SUPPORTED_ROPE"]
+           "splits_possible", "SUPPORTED_DV", "SUPPORTED_ROPE"]
 
 D, DV, ROPE = 576, 512, 64
 SUPPORTED_DV = (64, 128, 256, 512)
@@ -43,8 +43,23 @@ def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tens
     return torch.cat([cos[:, : rope // 2], sin[:, : rope // 2]], dim=-1).contiguous()
 
 
+def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:
+    """Whether the split planner can split a batch of ``bs`` sequences that
+    all have ONE length (a decode step's). It cannot once bs is at least its
+    target parts per head block (SMs x the kernel's blocks per SM / head
+    blocks of s_q * h_q rows): every part size it weighs is then at least a
+    sequence's tiles. Where it cannot, ``split=False`` gives the same plan
+    and output and saves the combine's launch (the decode step does this)."""
+    from ._ext import module
+
+    idx = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
+    rows_per_block, _, _, _, _, blocks_per_sm, sms, _ = module().attention_info(idx)
+    head_blocks = -(-(s_q * h_q) // rows_per_block)
+    return bs < max(1, sms * blocks_per_sm // head_blocks)
+
+
 def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
-                  out=None, lse=None, kpe=None, head_dim_v=DV, kpe_heads=None, plan=None):
+                  out=None, lse=None, kpe=None, head_dim_v=DV, kpe_heads=None, plan=None, split=True):
     """Split-KV absorbed attention on the GPU kernels.
 
     q: [bs, s_q, h_q, d] bf16 or fp16 with d = head_dim_v + rope (DeepSeek:
@@ -71,6 +86,12 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     read from the plan, held to kv's capacity, so never out of bounds).
     Calls sharing a plan must be ordered (one stream, or synchronized): the
     persistent kernel takes its work items from a counter in the plan.
+    split: True (default) lets the planner cut long sequences into parts,
+    merged by a combine launch after the attention; False plans every
+    sequence as one part and launches no combine (its plan, if passed, made
+    with ``plan(..., split=False)``: the two kinds differ in size, and the
+    wrong kind raises). Same output where the planner would not split
+    anyway (``splits_possible``); slower where it would.
     Returns (out [bs, s_q, h_q, head_dim_v] in q's dtype, lse [bs, h_q, s_q]
     fp32, natural log). A sequence of length 0 gives out = 0 and lse = -inf.
     ``out``/``lse`` may be passed in (destination passing)."""
@@ -80,9 +101,9 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
         raise ValueError("pass both out and lse, or neither")
     if out is None:
         return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                              kpe, int(head_dim_v), kpe_heads, plan)
+                                              kpe, int(head_dim_v), kpe_heads, plan, bool(split))
     torch.ops.mla_decode.attention_out(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                       out, lse, kpe, int(head_dim_v), kpe_heads, plan)
+                                       out, lse, kpe, int(head_dim_v), kpe_heads, plan, bool(split))
     return out, lse
 
 
@@ -154,7 +175,7 @@ def kv_rows_bf16(kv, block_table, b, L):
 if kernels_built():
     @torch.library.register_fake("mla_decode::attention")
     def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None, head_dim_v=DV,
-                        kpe_heads=None, plan=None):
+                        kpe_heads=None, plan=None, split=True):
         bs, s_q, h_q, _ = q.shape
         return q.new_empty(bs, s_q, h_q, head_dim_v), q.new_empty(bs, h_q, s_q, dtype=torch.float32)
 

@@ -339,3 +339,40 @@ def test_attention_fp16(lens):
         mla_attention(q, kv, seqlens, 0.07, rope_cs=rope_table(kv.shape[1], device="cuda"))
     with pytest.raises(TypeError, match="kv \\(the same dtype as q\\)"):
         mla_attention(q, kv.bfloat16(), seqlens, 0.07)
+
+
+def test_no_split_plan_and_call():
+    """split=False: every sequence one part and no combine launch. Where the
+    planner cannot split (a batch of one length at least its target parts,
+    as the decode step uses it) the output is the default call's bit for
+    bit; where it would split, still correct (one part per sequence); a plan
+    of the other kind raises (the two differ in size)."""
+    from mla_decode import splits_possible
+
+    rows_per_block, _, _, _, _, per_sm, sms, _ = mla_decode._ext.module().attention_info(0)
+    bs = max(1, sms * per_sm // -(-128 // rows_per_block))  # the smallest batch the planner cannot split
+    assert not splits_possible(bs, 1, 128, torch.device("cuda")) and splits_possible(bs - 1, 1, 128, torch.device("cuda"))
+    q, kv, seqlens = make_case([700] * bs, max_seq=704, seed=91)
+    cs = rope_table(kv.shape[1], device="cuda")
+    out_a, lse_a = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, out=out_a, lse=lse_a)
+    out_b, lse_b = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, out=out_b, lse=lse_b, split=False)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    plan = torch.ops.mla_decode.plan(seqlens, 1, 128, kv.shape[1], False)
+    out_c, lse_c = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, out=out_c, lse=lse_c, plan=plan, split=False)
+    assert torch.equal(out_a, out_c) and torch.equal(lse_a, lse_c)
+    with pytest.raises(ValueError, match="split"):
+        mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, plan=plan)  # a no-split plan where splits are allowed
+    with pytest.raises(ValueError, match="split"):
+        mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, split=False,
+                      plan=torch.ops.mla_decode.plan(seqlens, 1, 128, kv.shape[1]))
+    # a batch the planner would split: one part per sequence, still exact
+    lens = [3000, 17, 4097]
+    q, kv, seqlens = make_case(lens, max_seq=4100, seed=92)
+    assert splits_possible(len(lens), 1, 128, torch.device("cuda"))
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, out=out, lse=lse, split=False)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07)
+    check(out, lse, ro, rl, "split=False on a batch the planner splits")

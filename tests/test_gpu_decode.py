@@ -255,6 +255,28 @@ def test_step_reads_a_repeated_x_where_it_lies():
     assert dg.last_graphed
 
 
+def test_captured_step_without_split_matches_eager():
+    """At a batch the split planner cannot split (one length for all, bs at
+    least its target parts: the task's bs 128 on an H100/H200) the step
+    plans one part per sequence and launches no combine; graphed and eager
+    steps must still agree bit for bit and with the reference."""
+    rows_per_block, _, _, _, _, per_sm, sms, _ = mla_decode._ext.module().attention_info(0)
+    bs = max(1, sms * per_sm // -(-128 // rows_per_block))
+    config, x, kv = generate_input(batch_size=bs, prefill=130, max_seq_len=160, seed=51, device="cuda")
+    kv_e, kv_r = kv.clone(), kv.clone()
+    dg = mla_decode.MLADecoder(backend="kernels")
+    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
+    assert dg._split(mla_decode.Dims(bs, 0, 128, 0, 0, 0, 0, 0, 0), x.device) is False
+    for step in range(5):
+        yg, _ = dg(config, x, kv)
+        ye, _ = de(config, x, kv_e)
+        assert torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data), f"step {step}"
+        if step == 0:
+            y_ref, _ = ref_kernel((config, x, kv_r), batch_chunk=8)
+            assert_task_rule(yg, y_ref, "y")
+    assert dg.last_graphed
+
+
 def test_decoder_call_inside_a_user_capture():
     """A call made while the user's stream is capturing (after graphed calls,
     so the fast path is armed) runs the step eagerly into the user's graph;

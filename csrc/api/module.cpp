@@ -23,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none(),
-        py::arg("plan") = py::none());
+        py::arg("plan") = py::none(), py::arg("split") = true);
   m.def("copy_async", &mla::api::copy_async, py::arg("dst"), py::arg("src"),
         "dst <- src on the current stream (same dtype and size, contiguous, one GPU)");
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));

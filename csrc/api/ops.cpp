@@ -147,13 +147,16 @@ struct Planned {
 };
 
 // Parts wanted for one head block (from the SM count and the kernel's
-// residency) and the plan's capacity in parts, for bs sequences of s_q x h_q rows.
-std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, const DeviceAttnInfo& info) {
+// residency) and the plan's capacity in parts, for bs sequences of s_q x h_q
+// rows: target_parts + bs, or bs for a plan that splits nothing (`split`
+// false; the two sizes differ, so the attention op tells the kinds apart).
+std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, const DeviceAttnInfo& info,
+                                       bool split = true) {
   const int64_t rows = s_q * h_q;
   const int64_t head_blocks = (rows + info.kernel.rows_per_block - 1) / info.kernel.rows_per_block;
   const int64_t target_parts =
       std::max<int64_t>(1, static_cast<int64_t>(info.sm_count) * info.kernel.blocks_per_sm / head_blocks);
-  const int64_t max_parts = target_parts + bs;
+  const int64_t max_parts = split ? target_parts + bs : bs;
   if (max_parts > 65535) fail("too many parts for one launch: " + num(max_parts));
   return {target_parts, max_parts};
 }
@@ -161,9 +164,9 @@ std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, con
 // The split plan of one call (plan.h), computed on the device from the
 // lengths: no host synchronisation, so it is captured with the call.
 Planned make_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, const DeviceAttnInfo& info,
-                  stream_t stream) {
+                  stream_t stream, bool split) {
   const int64_t bs = seqlens.size(0);
-  const auto [target_parts, max_parts] = plan_parts(bs, s_q, h_q, info);
+  const auto [target_parts, max_parts] = plan_parts(bs, s_q, h_q, info, split);
   at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))},
                               seqlens.options().dtype(at::kInt));
   PlanParams pp{};
@@ -177,13 +180,14 @@ Planned make_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t c
   pp.max_len = static_cast<int>(capacity);
   static const bool p0_only = env_is("MLA_DECODE_PLAN_P0", "1");
   pp.p0_only = p0_only ? 1 : 0;
+  pp.no_split = split ? 0 : 1;
   check_launch(launch_plan(pp, stream), "split planner launch");
   return {plan, max_parts};
 }
 
 }  // namespace
 
-at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity) {
+at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, bool split) {
   if (!seqlens.is_cuda()) fail_value("seqlens must be on a GPU, got " + seqlens.device().str());
   check_dtype(seqlens, "seqlens", at::kInt);
   check_contiguous(seqlens, "seqlens");
@@ -193,14 +197,15 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
                " capacity=" + num(capacity));
   c10::cuda::CUDAGuard guard(seqlens.device());
   const DeviceAttnInfo& info = device_attn_info(seqlens.device().index());
-  return make_plan(seqlens, s_q, h_q, capacity, info, at::cuda::getCurrentCUDAStream().stream()).plan;
+  return make_plan(seqlens, s_q, h_q, capacity, info, at::cuda::getCurrentCUDAStream().stream(), split).plan;
 }
 
 void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
                    const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
-                   const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan_in) {
+                   const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan_in,
+                   bool split) {
   // device
   if (!q.is_cuda()) fail_value("q must be on a GPU, got " + q.device().str());
   const at::Device dev = q.device();
@@ -309,18 +314,24 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
     check_device(pt, "plan", dev);
     check_dtype(pt, "plan", at::kInt);
     check_contiguous(pt, "plan");
-    const int64_t size = plan_size(static_cast<int>(bs), static_cast<int>(plan_parts(bs, s_q, h_q, info).second));
-    check_shape(pt, "plan", {size}, ("[" + num(size) + "] (plan(seqlens, s_q, h_q, capacity) for this call)").c_str());
-    pl = {pt, plan_parts(bs, s_q, h_q, info).second};
+    const int64_t parts = plan_parts(bs, s_q, h_q, info, split).second;
+    const int64_t size = plan_size(static_cast<int>(bs), static_cast<int>(parts));
+    check_shape(pt, "plan", {size},
+                ("[" + num(size) + "] (plan(seqlens, s_q, h_q, capacity, split=" + (split ? "True" : "False") +
+                 ") for this call: a plan made with the other split setting has the other size)")
+                    .c_str());
+    pl = {pt, parts};
   } else {
-    pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream);
+    pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream, split);
   }
   const int64_t max_parts = pl.max_parts;
   at::Tensor plan = pl.plan;
 
+  // fp32 partials of split sequences, merged by the combine launched after the
+  // attention; a plan that splits nothing (split false) needs neither
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor o_part = at::empty({max_parts, rows, dv}, f32);
-  at::Tensor lse_part = at::empty({max_parts, rows}, f32);
+  at::Tensor o_part = split ? at::empty({max_parts, rows, dv}, f32) : at::Tensor();
+  at::Tensor lse_part = split ? at::empty({max_parts, rows}, f32) : at::Tensor();
 
   // per-head rope keys: their scores first, [bs, rows, rs_stride] fp32 (the
   // attention reads whole key tiles of it, so rows reach a tile multiple)
@@ -369,8 +380,8 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.kpe_batch_stride = kpe.has_value() ? kpe->stride(0) : 0;
   ap.o = reinterpret_cast<bf16_t*>(out.data_ptr());
   ap.lse = lse.data_ptr<float>();
-  ap.o_part = o_part.data_ptr<float>();
-  ap.lse_part = lse_part.data_ptr<float>();
+  ap.o_part = split ? o_part.data_ptr<float>() : nullptr;  // (no part of a no-split plan writes partials)
+  ap.lse_part = split ? lse_part.data_ptr<float>() : nullptr;
   ap.plan = plan.data_ptr<int32_t>();
   ap.q_row_stride = q.stride(2);
   ap.q_batch_stride = q.stride(0);
@@ -396,6 +407,8 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                                                 : launch_attention_portable(ap, stream),
                "attention launch");
 
+  if (!split) return;  // every sequence was one part: the attention wrote out and lse itself
+
   CombineParams cp{};
   cp.o_part = ap.o_part;
   cp.lse_part = ap.lse_part;
@@ -418,14 +431,14 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
                                              bool causal, const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                                              const c10::optional<at::Tensor>& kpe_heads,
-                                             const c10::optional<at::Tensor>& plan) {
+                                             const c10::optional<at::Tensor>& plan, bool split) {
   if (q.dim() != 4) fail_value("q must have shape [bs, s_q, h_q, d], got " + shape_str(q));
   if (shape_index(head_dim_v, 0) < 0)
     fail_value("unsupported head_dim_v=" + num(head_dim_v) + "; " + kAttnShapesSupported);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), head_dim_v}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe, head_dim_v, kpe_heads,
-                plan);
+                plan, split);
   return {out, lse};
 }
 
@@ -493,13 +506,13 @@ TORCH_LIBRARY(mla_decode, m) {
   m.def(
       "attention(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
       "float softmax_scale, bool causal, Tensor? kpe=None, int head_dim_v=512, Tensor? kpe_heads=None, "
-      "Tensor? plan=None) -> (Tensor, Tensor)");
+      "Tensor? plan=None, bool split=True) -> (Tensor, Tensor)");
   m.def(
       "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
       "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None, int head_dim_v=512, "
-      "Tensor? kpe_heads=None, Tensor? plan=None) -> ()");
+      "Tensor? kpe_heads=None, Tensor? plan=None, bool split=True) -> ()");
   m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
-  m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity) -> Tensor");
+  m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity, bool split=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {

@@ -12,21 +12,24 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
                    const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
-                   const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan);
+                   const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan,
+                   bool split = true);
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
                                              bool causal, const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                                              const c10::optional<at::Tensor>& kpe_heads,
-                                             const c10::optional<at::Tensor>& plan);
+                                             const c10::optional<at::Tensor>& plan, bool split = true);
 
 // The split plan (csrc/kernels/attention/plan.h) the attention op would use
 // for these lengths (dv 512, 64 rope columns in the key, used as stored),
 // computed on the device: int32 [plan_size(bs, max_parts)]. attention(_out)
 // takes it as `plan` in place of planning inside the call, for as many calls
 // as the lengths stay the same (the kernel leaves its work counter at 0).
-at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity);
+// split false: every sequence one part (int32 [plan_size(bs, bs)]), for
+// attention calls with split false, which then launch no combine.
+at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, bool split = true);
 
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
 

@@ -71,11 +71,12 @@ class LayoutStamp {
 // With `plan` (an undefined tensor: none), the graph's attention reads its
 // split plan there and the graph plans the next step's lengths at its end;
 // a launch whose lengths the last one did not leave plans them first
-// (plan(seqlens, s_q, h_q, capacity), the attention op's planner).
+// (plan(seqlens, s_q, h_q, capacity, split), the attention op's planner).
 class StepLauncher {
  public:
   StepLauncher(int64_t exec, at::Tensor x_static, at::Tensor y_static, at::Tensor seqlens,
-               std::vector<int64_t> y_shape, at::Tensor plan, int64_t s_q, int64_t h_q, int64_t capacity)
+               std::vector<int64_t> y_shape, at::Tensor plan, int64_t s_q, int64_t h_q, int64_t capacity,
+               bool split)
       : exec_(static_cast<uintptr_t>(exec)),
         x_(std::move(x_static)),
         y_(std::move(y_static)),
@@ -84,7 +85,8 @@ class StepLauncher {
         plan_(std::move(plan)),
         s_q_(s_q),
         h_q_(h_q),
-        capacity_(capacity) {
+        capacity_(capacity),
+        split_(split) {
     if (exec == 0) fail_value("StepLauncher: the graph has no instantiated executable (handle 0)");
     if (!x_.is_cuda() || !y_.is_cuda() || !seqlens_.is_cuda())
       fail_value("StepLauncher: x, y and seqlens must be on a GPU");
@@ -146,7 +148,7 @@ class StepLauncher {
       next_len_ = -1;  // (L + 1 once the graph is launched; anything failing before leaves it unknown)
       seqlens_.fill_(L);
       if (plan_.defined()) {  // the graph planned other lengths (or none yet): plan these
-        const at::Tensor fresh = plan(seqlens_, s_q_, h_q_, capacity_);
+        const at::Tensor fresh = plan(seqlens_, s_q_, h_q_, capacity_, split_);
         if (fresh.numel() != plan_.numel()) fail_value("StepLauncher: the plan's size changed");
         check_launch(memcpy_d2d_async(plan_.data_ptr(), fresh.data_ptr(), plan_.nbytes(), stream), "copy of the plan");
       }
@@ -164,6 +166,7 @@ class StepLauncher {
   std::vector<int64_t> y_shape_;
   at::Tensor plan_;
   int64_t s_q_, h_q_, capacity_;
+  bool split_;
   int64_t next_len_ = -1;  // what seqlens holds, and plan is made for (-1: unknown)
   uintptr_t direct_exec_ = 0;         // the graph reading x at direct_x_ (0: none)
   const void* direct_x_ = nullptr;
@@ -182,9 +185,10 @@ void bind_step_launcher(py::module& m) {
                            "A captured decode step: x copied in, the graph launched, y copied out, on the current "
                            "stream")
       .def(py::init<int64_t, at::Tensor, at::Tensor, at::Tensor, std::vector<int64_t>, at::Tensor, int64_t, int64_t,
-                    int64_t>(),
+                    int64_t, bool>(),
            py::arg("exec"), py::arg("x"), py::arg("y"), py::arg("seqlens"), py::arg("y_shape"),
-           py::arg("plan") = at::Tensor(), py::arg("s_q") = 1, py::arg("h_q") = 1, py::arg("capacity") = 0)
+           py::arg("plan") = at::Tensor(), py::arg("s_q") = 1, py::arg("h_q") = 1, py::arg("capacity") = 0,
+           py::arg("split") = true)
       .def("launch", &StepLauncher::launch, py::arg("x"), py::arg("L"),
            "Run the step for length L; returns y (a new tensor), or None while the current stream is capturing")
       .def("set_direct", &StepLauncher::set_direct, py::arg("exec"), py::arg("x"),

@@ -346,7 +346,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
 // combine when a sequence is split. (With P0 alone, 128 sequences of 49
 // tiles on 132 slots were split 25 + 24: 256 parts in two waves, no faster
 // than 128 in one, plus the combine; MLA_DECODE_PLAN_P0=1 restores it for
-// measurements.) The planner is on the critical path of every call:
+// measurements.) With p.no_split every sequence is one part (the plan of a
+// call that launches no combine: the decode step at a batch of at least
+// target_parts sequences of one length, which the candidates above never
+// split either). The planner is on the critical path of every call:
 // the attention kernel waits for it.
 constexpr int kPlanThreads = 1024;
 constexpr int kPlanCands = 4;
@@ -385,7 +388,16 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   sync_threads();
   const int p0 = max(1, (total_s + p.target_parts - 1) / p.target_parts);
   int per_part = p0;
-  if (!p.p0_only) {
+  if (p.no_split) {  // every sequence one part: per_part = the longest sequence's tiles
+    __shared__ int longest_s;
+    if (tid == 0) {
+      int tmax = 1;
+      for (int w = 0; w < nt / kWarpSize; ++w) tmax = max(tmax, warp_max[w]);
+      longest_s = tmax;
+    }
+    sync_threads();
+    per_part = longest_s;
+  } else if (!p.p0_only) {
     __shared__ int cand_parts[kPlanCands];
     __shared__ int chosen;
     auto cand = [&](int c) { return c == 3 ? 2 * p0 : p0 + c * p0 / 4; };  // P0, 1.25, 1.5, 2 P0

@@ -40,6 +40,7 @@ struct PlanParams {
   int max_len;             // cache capacity: lengths are clamped to [0, max_len]
   int threads;             // block size (set by launch_plan)
   int p0_only;             // 1: per_part = total / target_parts, no candidates (MLA_DECODE_PLAN_P0=1)
+  int no_split;            // 1: one part per sequence (max_parts = bs): a plan for calls without a combine
 };
 
 }  // namespace mla
