@@ -189,11 +189,10 @@ class _LastCall:
     them, take this path too). Anything else, including every input error,
     takes the full path."""
 
-    __slots__ = ("cfg_dims", "stamp", "data", "layouts", "dims", "tables", "st", "step")
+    __slots__ = ("cfg_dims", "data", "layouts", "dims", "tables", "st", "step")
 
-    def __init__(self, config, x, data, dims, stamp, tables, st, step):
+    def __init__(self, config, x, data, dims, tables, st, step):
         self.cfg_dims = _dims_of(config)
-        self.stamp = stamp
         self.data = weakref.ref(data)
         self.layouts = _ext_module().LayoutStamp([x, data, *_weights_of(config)], [False] + [True] * 6)
         self.dims, self.tables, self.st, self.step = dims, tables, st, step
@@ -462,7 +461,7 @@ class MLADecoder:
             if step.direct_wanted(x):
                 step.capture_direct(self._runner(config, dims, data, tables, st), x)
             self.last_graphed = True
-            self._last = _LastCall(config, x, data, dims, self._stamp, tables, st, step)
+            self._last = _LastCall(config, x, data, dims, tables, st, step)
         else:
             self._last = None
             seqlens = torch.full((dims.bs,), pos + 1, dtype=torch.int32, device=x.device)
