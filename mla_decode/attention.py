@@ -52,10 +52,9 @@ def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:
     and output and saves the combine's launch (the decode step does this)."""
     from ._ext import module
 
-    idx = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
-    rows_per_block, _, _, _, _, blocks_per_sm, sms, _ = module().attention_info(idx)
-    head_blocks = -(-(s_q * h_q) // rows_per_block)
-    return bs < max(1, sms * blocks_per_sm // head_blocks)
+    device = torch.device(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return bs < module().plan_target_parts(idx, s_q, h_q)
 
 
 def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,

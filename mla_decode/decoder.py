@@ -458,8 +458,7 @@ class MLADecoder:
                 step = self._graph_step(st, config, dims, data, tables)
         if step is not None:
             y = step(x, pos + 1)
-            if step.direct_wanted(x):
-                step.capture_direct(self._runner(config, dims, data, tables, st), x)
+            self._maybe_direct(step, x, config, dims, data, tables, st)
             self.last_graphed = True
             self._last = _LastCall(config, x, data, dims, tables, st, step)
         else:
@@ -495,8 +494,7 @@ class MLADecoder:
             y = step.launcher.launch(x, pos + 1)
             if y is None:  # the stream is capturing: the full path runs the step eagerly into the capture
                 return None
-            if step.direct_wanted(x):
-                step.capture_direct(self._runner(config, dims, data, last.tables, st), x)
+            self._maybe_direct(step, x, config, dims, data, last.tables, st)
         st.stepped(data, pos + 1)
         kv_cache.seq_len = pos + 1
         self.last_backend = "kernels"
@@ -615,6 +613,12 @@ class MLADecoder:
         if split is None:
             split = self._splits[key] = splits_possible(dims.bs, 1, dims.heads, device)
         return split
+
+    def _maybe_direct(self, step, x, config, dims, data, tables, st):
+        """After a launch: capture the step on this x where it lies when the
+        step asks for it (_GraphStep.direct_wanted), with this call's config."""
+        if step.direct_wanted(x):
+            step.capture_direct(self._runner(config, dims, data, tables, st), x)
 
     def _runner(self, config, dims, data, tables, st):
         """The step as a capture runs it: run(x2, seqlens, y, plan, after)."""

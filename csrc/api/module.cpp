@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_info", &mla::api::attention_info, py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
         "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, "
         "1 hopper)] for value width dv and rope width rope inside the key (0: per-head rope keys)");
+  m.def("plan_target_parts", &mla::api::plan_target_parts, py::arg("device"), py::arg("s_q"), py::arg("h_q"),
+        "the split planner's target parts per head block on `device` for s_q x h_q query rows");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none(),

@@ -494,6 +494,11 @@ void copy_async(at::Tensor& dst, const at::Tensor& src) {
                "copy_async");
 }
 
+int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {
+  if (s_q <= 0 || h_q <= 0) fail_value("plan_target_parts: s_q and h_q must be positive, got " + num(s_q) + ", " + num(h_q));
+  return plan_parts(1, s_q, h_q, device_attn_info(static_cast<int>(device))).first;
+}
+
 std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {
   const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device), dv, rope);
   return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,

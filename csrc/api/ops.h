@@ -31,6 +31,11 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
 // attention calls with split false, which then launch no combine.
 at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, bool split = true);
 
+// The planner's target parts per head block on `device` for s_q x h_q query
+// rows (what plan() plans with): a batch of one length never splits once bs
+// reaches it (mla_decode.splits_possible).
+int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
+
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
 
 // The query's RoPE and the cache append of a decode step in one launch
