@@ -241,6 +241,16 @@ MLA_DEVICE void softmax_step(float (&s)[32], uint32_t (&pa)[16], float (&o)[R], 
   scale_rows(o, c0, c1);
 }
 
+// The task's RoPE on two bf16 lanes: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
+// every product and the sum rounded to bf16 (x1 = x[j], x2 = x[j + 32]; c, s
+// the cos and sin of angle j). Shared by rotate_half and the one-key tail.
+MLA_DEVICE void rope_rot_bf16x2(uint32_t x1, uint32_t x2, uint32_t c, uint32_t s, uint32_t& y1, uint32_t& y2) {
+  const float u1l = bf16_lo(x1), u1h = bf16_hi(x1), u2l = bf16_lo(x2), u2h = bf16_hi(x2);
+  const float cl = bf16_lo(c), ch = bf16_hi(c), sl = bf16_lo(s), sh = bf16_hi(s);
+  y1 = pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh));
+  y2 = pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
+}
+
 // P (bf16 pairs in the S accumulator layout) -> 64 x 64 K-major swizzled
 // block at `blk`. Row r0 / r1 of this thread; conflict-free (rows differ in
 // their swizzle phase across the 8 g's).
@@ -494,13 +504,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
         const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          // rot(x) = x cos + cat(-x2, x1) sin, every product and sum rounded to bf16
-          const float u1l = bf16_lo(a1[w]), u1h = bf16_hi(a1[w]), u2l = bf16_lo(a2[w]), u2h = bf16_hi(a2[w]);
-          const float cl = bf16_lo(cc[w]), ch = bf16_hi(cc[w]), sl = bf16_lo(ss[w]), sh = bf16_hi(ss[w]);
-          a1[w] = pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh));
-          a2[w] = pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
-        }
+        for (int w = 0; w < 4; ++w) rope_rot_bf16x2(a1[w], a2[w], cc[w], ss[w], a1[w], a2[w]);
         *p1 = x1;
         *p2 = x2;
       }
@@ -631,10 +635,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         uint32_t* out = reinterpret_cast<uint32_t*>(&tail_chunk);
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          const float u1l = bf16_lo(a1[w]), u1h = bf16_hi(a1[w]), u2l = bf16_lo(a2[w]), u2h = bf16_hi(a2[w]);
-          const float cl = bf16_lo(cc[w]), ch = bf16_hi(cc[w]), sl = bf16_lo(ss[w]), sh = bf16_hi(ss[w]);
-          out[w] = c < 4 ? pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh))
-                         : pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
+          uint32_t y1, y2;
+          rope_rot_bf16x2(a1[w], a2[w], cc[w], ss[w], y1, y2);
+          out[w] = c < 4 ? y1 : y2;
         }
       } else {
         const bf16_t* src = p.kpe == nullptr ? row + dvm + 8 * c
