@@ -230,10 +230,9 @@ def query_rope_append(q_lora, w_qu, w_uk, kv_new, seqlens, tables, qbuf, cache, 
     r = w_uk.shape[2]
     path = query_path(q_lora, w_qu, w_uk, qbuf) if kernel else None
     if path == "sm90":
-        q_out = qbuf[:, :, r:].transpose(0, 1)
-        torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf[:, :, :r], q_out, True, kv_new, seqlens, tables[0],
-                                         cache, kpe)
-        return qbuf.transpose(0, 1).unsqueeze(1)
+        torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf[:, :, :r], _rope_out(qbuf, qbuf.shape[-1] - r), True,
+                                         kv_new, seqlens, tables[0], cache, kpe)
+        return _attention_query(qbuf)
     q_pe = query(q_lora, w_qu, w_uk, qbuf, path=path)
     return rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=kernel, kpe=kpe)
 
@@ -247,7 +246,7 @@ def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=Non
     (the decoder's rotated copy of the cache's keys). Returns the
     attention's query view of qbuf, [bs, 1, H, r + rope]."""
     rope = q_pe.shape[-1]
-    q_out = qbuf[:, :, qbuf.shape[-1] - rope:].transpose(0, 1)
+    q_out = _rope_out(qbuf, rope)
     if kernel:
         torch.ops.mla_decode.rope_append(q_pe, kv_new, seqlens, tables[0], q_out, cache, kpe)
     else:
@@ -258,6 +257,16 @@ def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=Non
         cache[rows, pos] = kv_new
         if kpe is not None:
             kpe[rows, pos] = rope_rotate(kv_new[:, None, -rope:], cos, sin)[:, 0]
+    return _attention_query(qbuf)
+
+
+def _rope_out(qbuf, rope):
+    """The rotated q_pe's place in qbuf [H, bs, r + rope]: [bs, H, rope]."""
+    return qbuf[:, :, qbuf.shape[-1] - rope:].transpose(0, 1)
+
+
+def _attention_query(qbuf):
+    """The attention's query view of qbuf [H, bs, r + rope]: [bs, 1, H, r + rope]."""
     return qbuf.transpose(0, 1).unsqueeze(1)
 
 
