@@ -144,7 +144,9 @@ class _WeightStamp:
     nothing else, so weights with the same layouts (the same objects, or new
     ones over the same memory, whatever their values) pass them again and
     validate() is spared re-checking them. Nothing is derived from the
-    weights' values and kept: every call reads the weights where they lie."""
+    weights' values and kept: every call reads the weights where they lie.
+    (Python, not the C++ LayoutStamp that _LastCall uses: the full path
+    also serves the PyTorch fallback, where the extension may be missing.)"""
 
     def __init__(self, config, dims: Dims):
         self.layouts = tuple(_weight_layout(getattr(config, n)) for n in _WEIGHTS)

@@ -93,7 +93,10 @@ def gemm_path(x, w, y=None, own=False) -> str:
     """"sm90" when ``gemm`` runs x w^T on our Hopper GEMM, else "vendor: why".
     MLA_DECODE_GEMM=sm90: every product on the Hopper GEMM where it runs;
     =vendor: every product on the vendor BLAS; unset: the products that ask
-    for ours (``own``: the down stage) on it, the others on the vendor's."""
+    for ours (``own``: the down stage) on it, the others on the vendor's.
+    (The variable is read on every call, not once, so that tests and
+    benchmarks can switch it at run time; a captured step replays with no
+    Python, so the read costs only eager calls and captures.)"""
     mode = os.environ.get("MLA_DECODE_GEMM")
     if mode == "vendor":
         return "vendor: MLA_DECODE_GEMM=vendor"

@@ -86,7 +86,9 @@ MLA_DEVICE uint64_t l2_evict_first_policy() {
   return policy;
 }
 
-// tma_load_3d with an L2 cache policy (l2_evict_first_policy).
+// tma_load_3d with an L2 cache policy (l2_evict_first_policy): a separate
+// instruction form (.L2::cache_hint), kept as its own wrapper so that the
+// loads without a policy carry no policy operand.
 MLA_DEVICE void tma_load_3d_hint(void* dst, const void* map, int c0, int c1, int c2, uint64_t* bar, uint64_t policy) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
