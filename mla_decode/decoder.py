@@ -232,9 +232,18 @@ class _CacheState:
         self.valid = 0
         self.version = None
         self.key = None  # set by MLADecoder._cache_state
+        # the Hopper attention's table of length-bounded TMA maps for this
+        # cache and kpe (a last, partial key half by TMA: measured on an H200,
+        # cp.async there cost ~3-4.5 us per call at every task prefill); kept
+        # here, so alive with the graphs that hold this state
+        self.bmaps = None
+        self.bounded_done = False
 
     def ready(self, data, n, tables, r):
         """Make rows [0, n) of the rotated copy current."""
+        if not self.bounded_done and not torch.cuda.is_current_stream_capturing():
+            self.bounded_done = True
+            self.bmaps = _ext_module().attention_bounded_register(data, self.kpe, r)
         if self.ref() is not data or data._version != self.version:
             self.valid = 0
         if self.valid < n:

@@ -22,6 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "1 hopper)] for value width dv and rope width rope inside the key (0: per-head rope keys)");
   m.def("plan_target_parts", &mla::api::plan_target_parts, py::arg("device"), py::arg("s_q"), py::arg("h_q"),
         "the split planner's target parts per head block on `device` for s_q x h_q query rows");
+  m.def("attention_bounded_register", &mla::api::attention_bounded_register, py::arg("kv"), py::arg("kpe"),
+        py::arg("dv") = 512,
+        "register a contiguous cache's layout (and kpe's) so the Hopper attention loads partial key halves by TMA; "
+        "returns the map table (keep it alive with graphs capturing such calls), or None where it does not apply "
+        "(not the Hopper kernel, or capturing)");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none(),

@@ -107,6 +107,26 @@ struct KvLayout {
   int64_t row_stride, page_stride, page_size, capacity, bt_stride;
 };
 
+// Registered bounded-map tables (attention_bounded_register): per device, the
+// layouts they serve, most recent first, at most kBoundedTables. A table
+// depends on nothing but the layout (addresses, sizes, strides), so any call
+// whose cache and kpe have exactly a registered layout may use it.
+constexpr size_t kBoundedTables = 4;
+struct BoundedEntry {
+  int device;
+  BoundedLayout layout;
+  at::Tensor table;
+};
+std::mutex bounded_mu;
+std::vector<BoundedEntry> bounded_tables;
+
+const unsigned char* bounded_table_for(int device, const BoundedLayout& l) {
+  std::lock_guard<std::mutex> lock(bounded_mu);
+  for (const BoundedEntry& e : bounded_tables)
+    if (e.device == device && e.layout == l) return e.table.data_ptr<uint8_t>();
+  return nullptr;
+}
+
 // kv holds rows of `width` columns (the key: d, or dv with per-head rope keys).
 KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_table, int64_t bs,
                   const at::Device& dev, at::ScalarType dtype, int64_t width) {
@@ -403,6 +423,12 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   ap.causal = causal && s_q > 1;
   ap.f16 = f16;
+  if (info.kind == AttnKernel::kHopper && !block_table.has_value() && !per_head) {
+    const BoundedLayout bl{ap.kv,   ap.kv_row_stride,  ap.kv_page_stride,   ap.max_len, ap.bs, ap.dv + ap.rope,
+                           ap.kpe,  ap.kpe_row_stride, ap.kpe_batch_stride, ap.kpe_rows, ap.rope};
+    ap.bmaps = bounded_table_for(device, bl);
+    ap.bmaps_len = ap.bmaps != nullptr ? ap.max_len : 0;
+  }
   check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
                                                 : launch_attention_portable(ap, stream),
                "attention launch");
@@ -492,6 +518,52 @@ void copy_async(at::Tensor& dst, const at::Tensor& src) {
   check_launch(memcpy_d2d_async(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.nbytes()),
                                 at::cuda::getCurrentCUDAStream().stream()),
                "copy_async");
+}
+
+at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv) {
+  if (!kv.is_cuda()) fail_value("attention_bounded_register: kv must be on a GPU, got " + kv.device().str());
+  check_shape(kv, "kv", {-1, -1, -1}, "[bs, max_seq_len, d]");
+  check_last_dim_contiguous(kv, "kv");
+  const int64_t rope = kpe.has_value() ? kpe->size(-1) : kv.size(2) - dv;
+  if (kpe.has_value()) {
+    check_device(*kpe, "kpe", kv.device());
+    check_dtype(*kpe, "kpe (the same dtype as kv)", kv.scalar_type());
+    check_last_dim_contiguous(*kpe, "kpe");
+    check_shape(*kpe, "kpe", {kv.size(0), -1, rope}, "[bs, >= max_seq_len, rope]");
+  }
+  if (dv < 1 || rope < 1 || dv + rope > kv.size(2))
+    fail_value("attention_bounded_register: dv " + num(dv) + " and rope " + num(rope) + " do not fit kv rows of " +
+               num(kv.size(2)));
+  const int device = kv.device().index();
+  c10::cuda::CUDAGuard guard(kv.device());
+  // only where the call would run the Hopper kernel (the only user of the table)
+  if (device_attn_info(device, dv, rope).kind != AttnKernel::kHopper) return at::Tensor();
+  const stream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  bool capturing = false;
+  check_launch(stream_capturing(stream, &capturing), "stream capture query");
+  const BoundedLayout bl{kv.data_ptr(),  kv.stride(1), kv.stride(0), kv.size(1), kv.size(0), dv + rope,
+                         kpe.has_value() ? kpe->data_ptr() : nullptr,
+                         kpe.has_value() ? kpe->stride(1) : 0, kpe.has_value() ? kpe->stride(0) : 0,
+                         kpe.has_value() ? kpe->size(1) : 0, rope};
+  {
+    std::lock_guard<std::mutex> lock(bounded_mu);
+    for (const BoundedEntry& e : bounded_tables)
+      if (e.device == device && e.layout == bl) return e.table;
+  }
+  if (capturing) return at::Tensor();  // (built outside a capture only)
+  at::Tensor table = at::empty({(bl.rows + 1) * 256}, kv.options().dtype(at::kByte));
+  check_launch(build_bounded_maps_sm90(bl, table.data_ptr(), stream), "bounded TMA map table");
+  // once per layout: the table is complete before any stream can use it
+  check_launch(stream_synchronize(stream), "bounded TMA map table");
+  std::lock_guard<std::mutex> lock(bounded_mu);
+  bounded_tables.insert(bounded_tables.begin(), BoundedEntry{device, bl, table});
+  if (bounded_tables.size() > kBoundedTables) {
+    // a launch on another stream may still read the oldest table: let the
+    // device drain before its memory can be reused (rare: a fifth layout)
+    check_launch(device_synchronize(), "bounded TMA map table");
+    bounded_tables.pop_back();
+  }
+  return table;
 }
 
 int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {

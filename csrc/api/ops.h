@@ -36,6 +36,18 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
 // reaches it (mla_decode.splits_possible).
 int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
 
+// Register the layout of a contiguous cache kv [bs, max_seq_len, d] (and of
+// its separate rope rows kpe, if any) for the Hopper attention: a table of
+// TMA maps with their row extent cut to every length is built once (2 x 128
+// bytes per row of kv, the stream synchronized once), and from then on every
+// attention call on exactly that layout loads a sequence's last, partial key
+// half by TMA as well (rows past the length arrive as zeros). Returns the
+// table, which a caller capturing graphs of such calls must keep alive with
+// them (the registry keeps the four newest layouts per process); an
+// undefined tensor (nothing done) where the call would not run the Hopper
+// kernel, or while the stream is capturing.
+at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv);
+
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
 
 // The query's RoPE and the cache append of a decode step in one launch

@@ -69,6 +69,28 @@ inline const char* graph_launch(uintptr_t exec, stream_t stream) {
 #endif
 }
 
+// Wait for everything enqueued on the current device. Error string or nullptr.
+inline const char* device_synchronize() {
+#if MLA_AMD
+  hipError_t e = hipDeviceSynchronize();
+  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+#else
+  cudaError_t e = cudaDeviceSynchronize();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
+// Wait for everything enqueued on `stream`. Error string or nullptr.
+inline const char* stream_synchronize(stream_t stream) {
+#if MLA_AMD
+  hipError_t e = hipStreamSynchronize(stream);
+  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+#else
+  cudaError_t e = cudaStreamSynchronize(stream);
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
 // Whether `stream` is capturing a graph (*capturing). Error string or nullptr.
 inline const char* stream_capturing(stream_t stream, bool* capturing) {
 #if MLA_AMD

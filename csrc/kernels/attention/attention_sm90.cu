@@ -23,8 +23,9 @@
 // Shared memory: Q, K0, K1 (64 rows x (NB + 1) 128B-swizzled 64-column
 // blocks) and a few hundred bytes. P0 and P1 live in column block NB (the
 // rope block) of their own key buffer, which nothing reads between its S and
-// its reload. Loads are TMA boxes for full 64-key halves (cp.async for the
-// rest, see load_half), each group completing an mbarrier; the loads of a
+// its reload. Loads are TMA boxes for full 64-key halves (and for partial
+// ones with length-bounded maps; cp.async for the rest, see load_half), each
+// group completing an mbarrier; the loads of a
 // buffer's column blocks are issued by the warpgroup whose matrix product was
 // the last to read them (H = NB / 2; at dv 512: H = 4, NB = 8):
 //   K0 blocks [0, H)      WG0 (after P0 V0L)   K0 blocks [H, NB]  WG1 (after P0 V0R; block NB held P0)
@@ -337,6 +338,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   Part pt{};
   int b = 0, L = 0, npairs = 0, row_base = 0;
   int gbase = 0;  // pairs of this block's earlier items: the mbarrier phases run on across items
+  const CUtensorMap* bnd_kv = nullptr;  // the item's length-bounded kv map (kpe's follows it), or none
   // the sequence of work item w, or -1 past the plan
   auto item_seq = [&](int w) -> int {
     return w >= 0 && w / hblocks < p.plan[0] ? p.plan[plan_part_base(p.bs) + kPartInts * (w / hblocks)] : -1;
@@ -395,15 +397,20 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // pair jp, completing mbarrier `bar` when they have landed. A half whose 64 keys are all below the length goes by TMA where the host
   // made descriptors: thread 0 arms the barrier and issues one box per column
   // block (8 KB; 64 / rows boxes of `rows` keys each for pages of 8-32 rows),
-  // the other 127 threads arrive. A partial or empty half goes by cp.async,
-  // which zero-fills the rows past the length.
+  // the other 127 threads arrive. So does a partial half where the item has
+  // length-bounded maps (bnd_kv: their row extent is the length, so the TMA
+  // unit writes zeros past it); otherwise a partial half goes by cp.async,
+  // which zero-fills the rows past the length, and an empty half loads nothing.
   // (Measured on an H200: spreading the boxes of small pages over threads
   // 0..64/rows-1, with the rope block of rope < 64 by cp.async next to TMA,
   // cut block 16 from 510 to 447 us but made the 64-row path 8% slower, e.g.
   // L 6145 470 -> 509 us; not kept.)
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf;
-    if (maps.use && key0 + T::kHalf <= L) {
+    const bool full = key0 + T::kHalf <= L;
+    if (maps.use && (full || (bnd_kv != nullptr && key0 < L))) {
+      const CUtensorMap* kvm = full ? &maps.kv : bnd_kv;
+      const CUtensorMap* kpm = full ? &maps.kpe : bnd_kv + 1;
       uint64_t* mbp = mbar(jp, bar);
       if (t == 0) {
         const int bend = min(bhi, nlat);  // (dv 64 on the dv 128 kernel: latent block 1 stays zero)
@@ -414,7 +421,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
             for (int kk = 0; kk < 2; ++kk)
               wg::tma_load_3d(dst + kNB * T::kBlockBytes + kk * 32 * 128, &maps.sc, key0 + 32 * kk, row_base, b, mbp);
         } else if (with8 && p.kpe != nullptr) {
-          wg::tma_load_3d_hint(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp, wg::l2_evict_first_policy());
+          wg::tma_load_3d_hint(dst + kNB * T::kBlockBytes, kpm, 0, key0, b, mbp, wg::l2_evict_first_policy());
         }
         for (int k = key0; k < key0 + T::kHalf; k += maps.rows) {  // one box of `rows` keys per column block
           int row = k, page = b;
@@ -425,9 +432,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
           }
           unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
           for (int bk = blo; bk < bend; ++bk)
-            wg::tma_load_3d_hint(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
+            wg::tma_load_3d_hint(d + bk * T::kBlockBytes, kvm, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
           if (!kPH && with8 && p.kpe == nullptr)
-            wg::tma_load_3d_hint(d + kNB * T::kBlockBytes, &maps.kv, dvm, row, page, mbp, wg::l2_evict_first_policy());
+            wg::tma_load_3d_hint(d + kNB * T::kBlockBytes, kvm, dvm, row, page, mbp, wg::l2_evict_first_policy());
         }
       } else {
         wg::mbar_arrive(mbp);
@@ -599,6 +606,15 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   L = pt.L;
   npairs = pt.tile_end - pt.tile_begin;
   row_base = (item % hblocks) * kRB;
+  // the maps whose row extent is this length (contiguous caches, from
+  // p.bmaps): a half holding the length goes by TMA too, rows past L zeros
+  bnd_kv = !kPH && !paged && p.bmaps != nullptr && L % T::kHalf != 0 && L <= p.bmaps_len
+               ? reinterpret_cast<const CUtensorMap*>(p.bmaps + 256 * static_cast<int64_t>(L))
+               : nullptr;
+  if (bnd_kv != nullptr && t == 0) {  // (written by another kernel: the tensor-map proxy acquires them)
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv + 1) : "memory");
+  }
   // The tail: a last pair holding ONE key (L mod 128 = 1: every task length)
   // is not run through the pair loop, whose matrix products, loads and
   // barriers cost a full pair's time for it (measured: 9-11 us per block of
@@ -1057,6 +1073,32 @@ TmaMaps make_maps(const AttnParams& p) {
   return m;
 }
 
+// The bounded-map table (AttnParams.bmaps): slot L holds the cache's map and
+// kpe's map of make_maps with their row extent cut to L, so that the TMA
+// unit reads a sequence's last, partial key half with the rows past its
+// length as zeros (measured on an H200 before: such a half by cp.async cost
+// ~3-4.5 us per call more than a whole one by TMA at every task prefill).
+// One thread per length: the template's 128 bytes, then its row extent.
+__global__ void build_bounded_maps_kernel(const __grid_constant__ CUtensorMap kv_t,
+                                          const __grid_constant__ CUtensorMap kpe_t, int with_kpe,
+                                          unsigned char* table, int rows) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int L = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (L < 1 || L > rows) return;
+  for (int m = 0; m < (with_kpe ? 2 : 1); ++m) {
+    const uint4* src = reinterpret_cast<const uint4*>(m ? &kpe_t : &kv_t);
+    uint4* dst = reinterpret_cast<uint4*>(table + 256 * static_cast<int64_t>(L) + 128 * m);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = src[i];
+    asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;\n" ::"l"(
+                     static_cast<uint64_t>(__cvta_generic_to_global(dst))),
+                 "r"(L)
+                 : "memory");
+  }
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
+#endif
+}
+
 // Persistent launch (one block per resident slot, items from the work
 // counter) unless MLA_DECODE_PERSIST=0 (one block per item: measurements).
 // As a programmatic dependent of the planner unless MLA_DECODE_PDL=0.
@@ -1122,6 +1164,22 @@ const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
   return on_dv_instance(dv, [&](auto k) { return kernel_info<decltype(k)::value>(per_head, info); });
 }
 
+const char* build_bounded_maps_sm90(const BoundedLayout& l, void* table, stream_t stream) {
+  if (reinterpret_cast<uintptr_t>(table) % 128 != 0) return "build_bounded_maps_sm90: the table must be 128-byte aligned";
+  if (l.rows < 1 || l.rows > 0x7ffffffe || l.bs < 1) return "build_bounded_maps_sm90: bad rows or bs";
+  CUtensorMap kv_t{}, kpe_t{};
+  if (!encode_rows(&kv_t, l.kv, l.d, l.rows, l.bs, l.kv_row_stride, l.kv_seq_stride, 64, true))
+    return "build_bounded_maps_sm90: TMA cannot describe the cache (16-byte aligned base and strides needed)";
+  if (l.kpe != nullptr &&
+      !encode_rows(&kpe_t, l.kpe, l.rope, l.kpe_rows, l.bs, l.kpe_row_stride, l.kpe_seq_stride, 64, true))
+    return "build_bounded_maps_sm90: TMA cannot describe kpe (16-byte aligned base and strides needed)";
+  const int threads = 256;
+  const int64_t blocks = (l.rows + 1 + threads - 1) / threads;
+  build_bounded_maps_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      kv_t, kpe_t, l.kpe != nullptr ? 1 : 0, static_cast<unsigned char*>(table), static_cast<int>(l.rows));
+  return last_launch_error();
+}
+
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   if (p.rope_scores != nullptr) {
     if (p.rope != 0 || p.rope_cs != nullptr || p.kpe != nullptr) return kSm90Shapes;
@@ -1140,6 +1198,7 @@ bool sm90_shape_supported(int, int) { return false; }
 bool sm90_per_head_supported(int) { return false; }
 const char* attn_kernel_info_sm90(int, bool, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
 const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
+const char* build_bounded_maps_sm90(const BoundedLayout&, void*, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
 
 #endif
 
