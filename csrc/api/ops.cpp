@@ -534,10 +534,16 @@ at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<
   if (dv < 1 || rope < 1 || dv + rope > kv.size(2))
     fail_value("attention_bounded_register: dv " + num(dv) + " and rope " + num(rope) + " do not fit kv rows of " +
                num(kv.size(2)));
+  if (kv.element_size() != 2) fail_value("attention_bounded_register: kv must hold bf16 or fp16, got " + std::string(c10::toString(kv.scalar_type())));
   const int device = kv.device().index();
   c10::cuda::CUDAGuard guard(kv.device());
-  // only where the call would run the Hopper kernel (the only user of the table)
+  // only where the call would run the Hopper kernel (the only user of the
+  // table) and TMA can describe the rows (16-byte aligned base and strides)
   if (device_attn_info(device, dv, rope).kind != AttnKernel::kHopper) return at::Tensor();
+  auto tma_rows = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0;
+  };
+  if (!tma_rows(kv) || (kpe.has_value() && !tma_rows(*kpe))) return at::Tensor();
   const stream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   bool capturing = false;
   check_launch(stream_capturing(stream, &capturing), "stream capture query");

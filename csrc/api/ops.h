@@ -45,7 +45,8 @@ int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
 // table, which a caller capturing graphs of such calls must keep alive with
 // them (the registry keeps the four newest layouts per process); an
 // undefined tensor (nothing done) where the call would not run the Hopper
-// kernel, or while the stream is capturing.
+// kernel, where TMA cannot describe the rows (16-byte alignment), or while
+// the stream is capturing.
 at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv);
 
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
