@@ -239,11 +239,16 @@ class _CacheState:
         self.bmaps = None
         self.bounded_done = False
 
-    def ready(self, data, n, tables, r):
-        """Make rows [0, n) of the rotated copy current."""
+    def register_bounded(self, data, r):
+        """Register this cache's and kpe's layout for the Hopper attention
+        (once, outside a capture; the full path calls it, and every graphed
+        call went through the full path first)."""
         if not self.bounded_done and not torch.cuda.is_current_stream_capturing():
             self.bounded_done = True
             self.bmaps = _ext_module().attention_bounded_register(data, self.kpe, r)
+
+    def ready(self, data, n, tables, r):
+        """Make rows [0, n) of the rotated copy current."""
         if self.ref() is not data or data._version != self.version:
             self.valid = 0
         if self.valid < n:
@@ -464,6 +469,7 @@ class MLADecoder:
         st = step = None
         if which == "kernels":
             st = self._cache_state(data, dims)
+            st.register_bounded(data, dims.kv_lora)
             st.ready(data, pos, tables, dims.kv_lora)
             if self.graphs and not torch.cuda.is_current_stream_capturing():
                 step = self._graph_step(st, config, dims, data, tables)

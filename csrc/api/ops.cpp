@@ -120,11 +120,12 @@ struct BoundedEntry {
 std::mutex bounded_mu;
 std::vector<BoundedEntry> bounded_tables;
 
-const unsigned char* bounded_table_for(int device, const BoundedLayout& l) {
+// The registered table of this layout, or an undefined tensor.
+at::Tensor bounded_table_for(int device, const BoundedLayout& l) {
   std::lock_guard<std::mutex> lock(bounded_mu);
   for (const BoundedEntry& e : bounded_tables)
-    if (e.device == device && e.layout == l) return e.table.data_ptr<uint8_t>();
-  return nullptr;
+    if (e.device == device && e.layout == l) return e.table;
+  return at::Tensor();
 }
 
 // kv holds rows of `width` columns (the key: d, or dv with per-head rope keys).
@@ -426,8 +427,9 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   if (info.kind == AttnKernel::kHopper && !block_table.has_value() && !per_head) {
     const BoundedLayout bl{ap.kv,   ap.kv_row_stride,  ap.kv_page_stride,   ap.max_len, ap.bs, ap.dv + ap.rope,
                            ap.kpe,  ap.kpe_row_stride, ap.kpe_batch_stride, ap.kpe_rows, ap.rope};
-    ap.bmaps = bounded_table_for(device, bl);
-    ap.bmaps_len = ap.bmaps != nullptr ? ap.max_len : 0;
+    const at::Tensor table = bounded_table_for(device, bl);
+    ap.bmaps = table.defined() ? table.data_ptr<uint8_t>() : nullptr;
+    ap.bmaps_len = table.defined() ? ap.max_len : 0;
   }
   check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
                                                 : launch_attention_portable(ap, stream),
@@ -551,11 +553,7 @@ at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<
                          kpe.has_value() ? kpe->data_ptr() : nullptr,
                          kpe.has_value() ? kpe->stride(1) : 0, kpe.has_value() ? kpe->stride(0) : 0,
                          kpe.has_value() ? kpe->size(1) : 0, rope};
-  {
-    std::lock_guard<std::mutex> lock(bounded_mu);
-    for (const BoundedEntry& e : bounded_tables)
-      if (e.device == device && e.layout == bl) return e.table;
-  }
+  if (at::Tensor known = bounded_table_for(device, bl); known.defined()) return known;
   if (capturing) return at::Tensor();  // (built outside a capture only)
   at::Tensor table = at::empty({(bl.rows + 1) * 256}, kv.options().dtype(at::kByte));
   check_launch(build_bounded_maps_sm90(bl, table.data_ptr(), stream), "bounded TMA map table");
