@@ -33,26 +33,32 @@ using error_t = cudaError_t;
 #endif
 
 // ---------------------------------------------------------------- host side
-// Last launch error as a string, or nullptr when the launch succeeded.
-// Callers (csrc/api) turn a non-null answer into a Python exception.
-inline const char* last_launch_error() {
+// A runtime call's result as these helpers return it: nullptr on success,
+// else the runtime's message. Callers (csrc/api) turn a message into a
+// Python exception.
+inline const char* error_or_null(error_t e) {
 #if MLA_AMD
-  hipError_t e = hipGetLastError();
   return e == hipSuccess ? nullptr : hipGetErrorString(e);
 #else
-  cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+#endif
+}
+
+// Last launch error as a string, or nullptr when the launch succeeded.
+inline const char* last_launch_error() {
+#if MLA_AMD
+  return error_or_null(hipGetLastError());
+#else
+  return error_or_null(cudaGetLastError());
 #endif
 }
 
 // Device-to-device copy of n bytes, ordered on `stream`. Error string or nullptr.
 inline const char* memcpy_d2d_async(void* dst, const void* src, size_t n, stream_t stream) {
 #if MLA_AMD
-  hipError_t e = hipMemcpyAsync(dst, src, n, hipMemcpyDeviceToDevice, stream);
-  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+  return error_or_null(hipMemcpyAsync(dst, src, n, hipMemcpyDeviceToDevice, stream));
 #else
-  cudaError_t e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream);
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  return error_or_null(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream));
 #endif
 }
 
@@ -61,33 +67,27 @@ inline const char* memcpy_d2d_async(void* dst, const void* src, size_t n, stream
 // on `stream`. Error string or nullptr.
 inline const char* graph_launch(uintptr_t exec, stream_t stream) {
 #if MLA_AMD
-  hipError_t e = hipGraphLaunch(reinterpret_cast<hipGraphExec_t>(exec), stream);
-  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+  return error_or_null(hipGraphLaunch(reinterpret_cast<hipGraphExec_t>(exec), stream));
 #else
-  cudaError_t e = cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), stream);
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  return error_or_null(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), stream));
 #endif
 }
 
 // Wait for everything enqueued on the current device. Error string or nullptr.
 inline const char* device_synchronize() {
 #if MLA_AMD
-  hipError_t e = hipDeviceSynchronize();
-  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+  return error_or_null(hipDeviceSynchronize());
 #else
-  cudaError_t e = cudaDeviceSynchronize();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  return error_or_null(cudaDeviceSynchronize());
 #endif
 }
 
 // Wait for everything enqueued on `stream`. Error string or nullptr.
 inline const char* stream_synchronize(stream_t stream) {
 #if MLA_AMD
-  hipError_t e = hipStreamSynchronize(stream);
-  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+  return error_or_null(hipStreamSynchronize(stream));
 #else
-  cudaError_t e = cudaStreamSynchronize(stream);
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  return error_or_null(cudaStreamSynchronize(stream));
 #endif
 }
 
@@ -95,15 +95,14 @@ inline const char* stream_synchronize(stream_t stream) {
 inline const char* stream_capturing(stream_t stream, bool* capturing) {
 #if MLA_AMD
   hipStreamCaptureStatus st = hipStreamCaptureStatusNone;
-  hipError_t e = hipStreamIsCapturing(stream, &st);
+  const hipError_t e = hipStreamIsCapturing(stream, &st);
   *capturing = st != hipStreamCaptureStatusNone;
-  return e == hipSuccess ? nullptr : hipGetErrorString(e);
 #else
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  cudaError_t e = cudaStreamIsCapturing(stream, &st);
+  const cudaError_t e = cudaStreamIsCapturing(stream, &st);
   *capturing = st != cudaStreamCaptureStatusNone;
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 #endif
+  return error_or_null(e);
 }
 
 // Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA).
@@ -111,12 +110,10 @@ inline const char* stream_capturing(stream_t stream, bool* capturing) {
 template <typename Kernel>
 inline const char* set_max_dynamic_smem(Kernel kernel, int bytes) {
 #if MLA_AMD
-  hipError_t e = hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                     hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  return e == hipSuccess ? nullptr : hipGetErrorString(e);
+  return error_or_null(
+      hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #else
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  return error_or_null(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #endif
 }
 
