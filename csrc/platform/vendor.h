@@ -44,64 +44,40 @@ inline const char* error_or_null(error_t e) {
 #endif
 }
 
-// Last launch error as a string, or nullptr when the launch succeeded.
-inline const char* last_launch_error() {
+// MLA_RT(Name): the runtime's hipName on AMD, cudaName on NVIDIA (functions,
+// types and enumerators alike), for the wrappers below that differ only in it.
 #if MLA_AMD
-  return error_or_null(hipGetLastError());
+#define MLA_RT(name) hip##name
 #else
-  return error_or_null(cudaGetLastError());
+#define MLA_RT(name) cuda##name
 #endif
-}
+
+// Last launch error as a string, or nullptr when the launch succeeded.
+inline const char* last_launch_error() { return error_or_null(MLA_RT(GetLastError)()); }
 
 // Device-to-device copy of n bytes, ordered on `stream`. Error string or nullptr.
 inline const char* memcpy_d2d_async(void* dst, const void* src, size_t n, stream_t stream) {
-#if MLA_AMD
-  return error_or_null(hipMemcpyAsync(dst, src, n, hipMemcpyDeviceToDevice, stream));
-#else
-  return error_or_null(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream));
-#endif
+  return error_or_null(MLA_RT(MemcpyAsync)(dst, src, n, MLA_RT(MemcpyDeviceToDevice), stream));
 }
 
 // Launch an instantiated graph (a cudaGraphExec_t / hipGraphExec_t passed as
 // an integer handle, as torch.cuda.CUDAGraph.raw_cuda_graph_exec() gives it)
 // on `stream`. Error string or nullptr.
 inline const char* graph_launch(uintptr_t exec, stream_t stream) {
-#if MLA_AMD
-  return error_or_null(hipGraphLaunch(reinterpret_cast<hipGraphExec_t>(exec), stream));
-#else
-  return error_or_null(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(exec), stream));
-#endif
+  return error_or_null(MLA_RT(GraphLaunch)(reinterpret_cast<MLA_RT(GraphExec_t)>(exec), stream));
 }
 
 // Wait for everything enqueued on the current device. Error string or nullptr.
-inline const char* device_synchronize() {
-#if MLA_AMD
-  return error_or_null(hipDeviceSynchronize());
-#else
-  return error_or_null(cudaDeviceSynchronize());
-#endif
-}
+inline const char* device_synchronize() { return error_or_null(MLA_RT(DeviceSynchronize)()); }
 
 // Wait for everything enqueued on `stream`. Error string or nullptr.
-inline const char* stream_synchronize(stream_t stream) {
-#if MLA_AMD
-  return error_or_null(hipStreamSynchronize(stream));
-#else
-  return error_or_null(cudaStreamSynchronize(stream));
-#endif
-}
+inline const char* stream_synchronize(stream_t stream) { return error_or_null(MLA_RT(StreamSynchronize)(stream)); }
 
 // Whether `stream` is capturing a graph (*capturing). Error string or nullptr.
 inline const char* stream_capturing(stream_t stream, bool* capturing) {
-#if MLA_AMD
-  hipStreamCaptureStatus st = hipStreamCaptureStatusNone;
-  const hipError_t e = hipStreamIsCapturing(stream, &st);
-  *capturing = st != hipStreamCaptureStatusNone;
-#else
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  const cudaError_t e = cudaStreamIsCapturing(stream, &st);
-  *capturing = st != cudaStreamCaptureStatusNone;
-#endif
+  MLA_RT(StreamCaptureStatus) st = MLA_RT(StreamCaptureStatusNone);
+  const error_t e = MLA_RT(StreamIsCapturing)(stream, &st);
+  *capturing = st != MLA_RT(StreamCaptureStatusNone);
   return error_or_null(e);
 }
 
