@@ -31,6 +31,20 @@ MLA_DEVICE void prefetch_l2(const void* p) {
   (void)p;
 #endif
 }
+// A 16-byte load of read-only data (the non-coherent path on NVIDIA), kept
+// where it is written in the instruction stream (volatile), so that its
+// latency passes under the work issued after it.
+MLA_DEVICE uint4 ld_global_nc(const uint4* p) {
+#if MLA_NVIDIA
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#else
+  return *p;
+#endif
+}
 MLA_DEVICE void copy_commit() {
 #if MLA_NVIDIA
   asm volatile("cp.async.commit_group;\n" ::);

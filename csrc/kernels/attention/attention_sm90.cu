@@ -245,11 +245,23 @@ MLA_DEVICE void softmax_step(float (&s)[32], uint32_t (&pa)[16], float (&o)[R], 
 // The task's RoPE on two bf16 lanes: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
 // every product and the sum rounded to bf16 (x1 = x[j], x2 = x[j + 32]; c, s
 // the cos and sin of angle j). Shared by rotate_half and the one-key tail.
+// Packed bf16x2 arithmetic gives the task's bits: a product of two bf16
+// values is exact in fp32, and the fp32 sum of two bf16 values is exact
+// unless their exponents differ by more than 15, where both roundings give
+// the larger one, so rounding once equals the reference's fp32-then-bf16.
+MLA_DEVICE uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+MLA_DEVICE uint32_t add_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("add.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
 MLA_DEVICE void rope_rot_bf16x2(uint32_t x1, uint32_t x2, uint32_t c, uint32_t s, uint32_t& y1, uint32_t& y2) {
-  const float u1l = bf16_lo(x1), u1h = bf16_hi(x1), u2l = bf16_lo(x2), u2h = bf16_hi(x2);
-  const float cl = bf16_lo(c), ch = bf16_hi(c), sl = bf16_lo(s), sh = bf16_hi(s);
-  y1 = pack_bf16x2(round_bf16(u1l * cl) + round_bf16(-u2l * sl), round_bf16(u1h * ch) + round_bf16(-u2h * sh));
-  y2 = pack_bf16x2(round_bf16(u2l * cl) + round_bf16(u1l * sl), round_bf16(u2h * ch) + round_bf16(u1h * sh));
+  y1 = add_bf16x2(mul_bf16x2(x1, c), mul_bf16x2(x2, s ^ 0x80008000u));
+  y2 = add_bf16x2(mul_bf16x2(x2, c), mul_bf16x2(x1, s));
 }
 
 // P (bf16 pairs in the S accumulator layout) -> 64 x 64 K-major swizzled
@@ -381,7 +393,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     if (!paged || jp >= npairs) return 0;
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys, e0 = key0 / p.page_size;
     const int last = (min(key0 + T::kTileKeys, L) - 1) / p.page_size;  // no entry past the length is read
-    return e0 + i <= last ? p.block_table[b * p.block_table_stride + e0 + i] : 0;
+    return e0 + i <= last ? page_id(p.block_table, b * p.block_table_stride + e0 + i, p.num_pages) : 0;
   };
   auto store_id = [&](int jp, int i, int32_t id) {
     if (paged && jp < npairs) ids_s[(jp % T::kIdRing) * T::kTileKeys + i] = id;
@@ -494,22 +506,37 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // ---- key RoPE of half h of pair jp, in place in its rope block: thread
   // (row t/2, hh = t%2) rotates pairs (j, j + 32) for j in [16 hh, 16 hh + 16).
   const bool rope = !kF16 && p.rope_cs != nullptr;  // (the host refuses rope_cs with fp16)
-  auto rotate_half = [&](int jp, int h) {
+  // The cos | sin values thread (row t/2, hh = t%2) needs for its key of
+  // half h of pair jp: [cos, sin] of pairs 16 hh .. 16 hh + 7, then of
+  // 16 hh + 8 .. 16 hh + 15. Loaded at the start of the half's S, so that
+  // their latency passes under the latent k-steps instead of sitting
+  // between them and the rope k-steps.
+  auto load_cs = [&](int jp, int h, uint4 (&cs)[4]) {
+    const int row = t / 2, hh = t % 2;
+    const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
+    if (rope && key < L) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        cs[2 * c] = ld_global_nc(src + 2 * hh + c);
+        cs[2 * c + 1] = ld_global_nc(src + 4 + 2 * hh + c);
+      }
+    }
+  };
+  auto rotate_half = [&](int jp, int h, const uint4 (&cs)[4]) {
     const int row = t / 2, hh = t % 2;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
     if (key < L) {
-      const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
       unsigned char* blk = kbuf(jp) + h * T::kMatBytes + kNB * T::kBlockBytes + row * 128;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const uint4 cw = cs[2 * hh + c], sw = cs[4 + 2 * hh + c];
         uint4* p1 = reinterpret_cast<uint4*>(blk + (((2 * hh + c) ^ (row & 7)) << 4));
         uint4* p2 = reinterpret_cast<uint4*>(blk + (((4 + 2 * hh + c) ^ (row & 7)) << 4));
         uint4 x1 = *p1, x2 = *p2;
         uint32_t* a1 = reinterpret_cast<uint32_t*>(&x1);
         uint32_t* a2 = reinterpret_cast<uint32_t*>(&x2);
-        const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
-        const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
+        const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cs[2 * c]);
+        const uint32_t* ss = reinterpret_cast<const uint32_t*>(&cs[2 * c + 1]);
 #pragma unroll
         for (int w = 0; w < 4; ++w) rope_rot_bf16x2(a1[w], a2[w], cc[w], ss[w], a1[w], a2[w]);
         *p1 = x1;
@@ -543,6 +570,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     constexpr bool w1 = decltype(kW1)::value;
     const uint32_t par = ((gbase + jp) / kStages) & 1;
     const uint64_t dkj = dk + soff(jp);
+    uint4 cs[4];
+    if constexpr (!kPH) load_cs(jp, wg, cs);
     if (half_empty(jp, wg)) {  // nothing to multiply: the mask makes S -inf; keep the barrier phases
       wg::mbar_wait(mbar(jp, wg == 0 ? kMbK0a : kMbK1a), par);
       between();
@@ -571,7 +600,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       s_steps<4 * kHB, 4 * kNB, kF16, -1>(s, dq, dkj);
     wg::commit();
     if constexpr (!kPH) {  // the rope block's k-steps (per-head keys: their scores are added instead)
-      if (rope) rotate_half(jp, wg);
+      if (rope) rotate_half(jp, wg, cs);
       wg::fence();
       s_steps<4 * kNB, T::kSteps, kF16, -1>(s, dq, dkj);
       wg::commit();
@@ -630,7 +659,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
   if (tail && wg == 0 && t < T::kBlocks * 8) {
     const int key = L - 1;
-    const bf16_t* row = paged ? p.kv + static_cast<int64_t>(p.block_table[b * p.block_table_stride + key / p.page_size]) *
+    const bf16_t* row = paged ? p.kv + static_cast<int64_t>(page_id(p.block_table, b * p.block_table_stride + key / p.page_size, p.num_pages)) *
                                            p.kv_page_stride +
                                     static_cast<int64_t>(key % p.page_size) * p.kv_row_stride
                               : p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
