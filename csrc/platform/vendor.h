@@ -60,12 +60,16 @@ inline const char* memcpy_d2d_async(void* dst, const void* src, size_t n, stream
   return error_or_null(MLA_RT(MemcpyAsync)(dst, src, n, MLA_RT(MemcpyDeviceToDevice), stream));
 }
 
-// Launch an instantiated graph (a cudaGraphExec_t / hipGraphExec_t passed as
-// an integer handle, as torch.cuda.CUDAGraph.raw_cuda_graph_exec() gives it)
-// on `stream`. Error string or nullptr.
-inline const char* graph_launch(uintptr_t exec, stream_t stream) {
-  return error_or_null(MLA_RT(GraphLaunch)(reinterpret_cast<MLA_RT(GraphExec_t)>(exec), stream));
+// An event ordering work across streams (no timing). Error string or nullptr.
+using event_t = MLA_RT(Event_t);
+inline const char* event_create(event_t* e) {
+  return error_or_null(MLA_RT(EventCreateWithFlags)(e, MLA_RT(EventDisableTiming)));
 }
+inline const char* event_record(event_t e, stream_t stream) { return error_or_null(MLA_RT(EventRecord)(e, stream)); }
+inline const char* stream_wait_event(stream_t stream, event_t e) {
+  return error_or_null(MLA_RT(StreamWaitEvent)(stream, e, 0));
+}
+inline void event_destroy(event_t e) { (void)MLA_RT(EventDestroy)(e); }
 
 // Wait for everything enqueued on the current device. Error string or nullptr.
 inline const char* device_synchronize() { return error_or_null(MLA_RT(DeviceSynchronize)()); }
@@ -82,15 +86,31 @@ inline const char* stream_capturing(stream_t stream, bool* capturing) {
 }
 
 // Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA).
-// Returns an error string or nullptr.
+// The attribute belongs to the device: each thread sets it once per
+// (device, kernel, size) it launches with, not on every launch (a runtime
+// call on every launch was host time on the step's path). Returns an error
+// string or nullptr.
 template <typename Kernel>
 inline const char* set_max_dynamic_smem(Kernel kernel, int bytes) {
+  struct Done {
+    int device;
+    const void* fn;
+    int bytes;
+  };
+  thread_local Done done[32];
+  thread_local int n = 0;
+  int device = 0;
+  if (const char* e = error_or_null(MLA_RT(GetDevice)(&device))) return e;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < n; ++i)
+    if (done[i].device == device && done[i].fn == fn && done[i].bytes == bytes) return nullptr;
 #if MLA_AMD
-  return error_or_null(
-      hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const char* e = error_or_null(hipFuncSetAttribute(fn, hipFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #else
-  return error_or_null(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const char* e = error_or_null(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #endif
+  if (e == nullptr && n < 32) done[n++] = Done{device, fn, bytes};
+  return e;
 }
 
 #if MLA_NVIDIA

@@ -90,7 +90,7 @@ using TileFor = AttnTile<kD, kDv, 4, 2, 32, 3>;
 template <typename T>
 MLA_DEVICE const bf16_t* kv_row(const AttnParams& p, int b, int t) {
   if (p.block_table == nullptr) return p.kv + b * p.kv_page_stride + t * p.kv_row_stride;
-  const int page = p.block_table[b * p.block_table_stride + t / p.page_size];
+  const int page = page_id(p.block_table, b * p.block_table_stride + t / p.page_size, p.num_pages);
   return p.kv + page * p.kv_page_stride + (t % p.page_size) * p.kv_row_stride;
 }
 
@@ -562,7 +562,8 @@ __global__ void __launch_bounds__(kRsBlockKeys* kRsHeadSlots) rope_scores_kernel
   const bool valid = t < L;
   const bf16_t* krow = p.kpe;
   if (valid) {
-    const int64_t page = p.block_table == nullptr ? b : p.block_table[b * p.block_table_stride + t / p.page_size];
+    const int64_t page =
+        p.block_table == nullptr ? b : page_id(p.block_table, b * p.block_table_stride + t / p.page_size, p.num_pages);
     krow = p.kpe + page * p.page_stride + static_cast<int64_t>(t % p.page_size) * p.row_stride;
   }
   for (int h = thread_x() / kRsBlockKeys; h < p.h_q; h += kRsHeadSlots) {

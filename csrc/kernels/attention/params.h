@@ -36,7 +36,7 @@ struct AttnParams {
   int64_t block_table_stride; // entries per sequence in block_table
   int64_t kpe_row_stride;     // elements between kpe rows
   int64_t kpe_batch_stride;   // elements between kpe sequences
-  int64_t num_pages;          // pages in kv (bs when not paged)
+  int64_t num_pages;          // pages in kv (bs when not paged): block-table ids are held below it
   int64_t kpe_rows;           // rows per sequence in kpe (when kpe is set)
   int page_size;              // rows per page (max_seq_len when not paged)
   int max_len;                // cache capacity per sequence: lengths are clamped to [0, max_len]
@@ -72,6 +72,7 @@ struct RopeScoreParams {
   const int32_t* seqlens;     // [bs]
   float* out;                 // [bs, rows, out_stride]
   int64_t q_row_stride, q_batch_stride, page_stride, row_stride, head_stride, block_table_stride, out_stride;
+  int64_t num_pages;          // pages in kpe (bs when not paged): block-table ids are held below it
   int q_col0, page_size, max_len, bs, s_q, h_q, rows, rope;
   bool f16;
 };

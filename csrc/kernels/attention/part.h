@@ -18,6 +18,15 @@ struct Part {
   int L;            // the sequence's length, clamped to [0, max_len]: never read past the cache
 };
 
+// Entry i of a block table held to [0, num_pages): an id outside the cache
+// reads page 0 in its place, so a bad id never reads outside the cache (the
+// sequence's output is then unspecified; the serving API's checked mode
+// refuses such tables before launching).
+MLA_DEVICE int page_id(const int32_t* block_table, int64_t i, int64_t num_pages) {
+  const int id = block_table[i];
+  return id >= 0 && id < num_pages ? id : 0;
+}
+
 // False for the blocks of grid.y beyond the planned parts (they exit).
 MLA_DEVICE bool read_part(const AttnParams& p, int part, Part& out) {
   if (part < 0 || part >= p.plan[0]) return false;
