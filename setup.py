@@ -49,6 +49,30 @@ def cuda_library_headers(cuda_home):
     return sorted(set(found))
 
 
+def cublaslt_link_args(cuda_home):
+    """Link arguments for cuBLASLt (the decode step's output projection calls
+    it directly): the toolkit's library, or the one the CUDA PyTorch wheel
+    installed (nvidia-* wheels carry only the versioned file)."""
+    dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
+    try:
+        import nvidia
+        for base in getattr(nvidia, "__path__", []):
+            for root, _dirs, files in os.walk(base):
+                if any(f.startswith("libcublasLt.so") for f in files):
+                    dirs.append(root)
+    except ImportError:
+        pass
+    for d in dirs:
+        if not os.path.isdir(d):
+            continue
+        names = sorted(f for f in os.listdir(d) if f.startswith("libcublasLt.so"))
+        if "libcublasLt.so" in names:
+            return [f"-L{d}", "-lcublasLt", f"-Wl,-rpath,{d}"]
+        if names:
+            return [f"-L{d}", f"-l:{names[0]}", f"-Wl,-rpath,{d}"]
+    raise RuntimeError(f"cuBLASLt not found (looked in {dirs}); the CUDA build links it")
+
+
 def extension():
     if os.environ.get("MLA_DECODE_NO_EXTENSION") == "1":
         return None, "MLA_DECODE_NO_EXTENSION=1"
@@ -83,7 +107,8 @@ def extension():
         incs += cuda_library_headers(ce.CUDA_HOME)
         cxx = ["-O3", std, f'-DMLA_BUILD_ARCHS="{label}"'] + ["-I" + i for i in incs]
         nvcc = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr", f'-DMLA_BUILD_ARCHS="{label}"']
-        return ce.CUDAExtension("mla_decode._C", srcs, extra_compile_args={"cxx": cxx, "nvcc": nvcc}), None
+        return ce.CUDAExtension("mla_decode._C", srcs, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                                extra_link_args=cublaslt_link_args(ce.CUDA_HOME)), None
     return None, f"PyTorch {torch.__version__} has no CUDA/HIP support or no toolkit was found (CUDA_HOME={ce.CUDA_HOME})"
 
 

@@ -54,7 +54,7 @@ def main():
     if setup is None:
         return 1
     name, peaks = setup
-    from mla_decode import _C
+    from mla_decode._ext import attention_info
 
     dev = torch.cuda.current_device()
     bs, L = args.bs, args.L
@@ -72,7 +72,7 @@ def main():
             mla_decode.mla_attention(q, kv, seqlens, d ** -0.5, head_dim_v=dv, kpe_heads=kh)
 
         us = time_events(call, iters=args.iters, batch=args.batch) * 1e3
-        kind = "hopper" if _C.attention_info(dev, dv, 0 if per_head else rope)[7] == 1 else "portable"
+        kind = attention_info(dev, dv, 0 if per_head else rope).kernel
         fl = 2 * bs * h_q * L * (d + dv)
         by = 2 * kv.numel() + (2 * kh.numel() if per_head else 0) + 2 * bs * h_q * (d + dv) + 4 * bs * h_q
         row = dict(label=label, h_q=h_q, dv=dv, rope=rope, per_head=per_head, kernel=kind,

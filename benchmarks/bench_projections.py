@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mla_decode import projections  # noqa: E402
-from mla_decode.decoder import Dims  # noqa: E402
+from mla_decode.validate import Dims  # noqa: E402
 from mla_decode.attention import rope_table  # noqa: E402
 from mla_decode.reference import generate_input  # noqa: E402
 from common import copy_bandwidth_gbs, device_name, time_graph_cold  # noqa: E402

@@ -7,14 +7,14 @@
 
 from ._ext import backend, kernels_built, kernels_usable
 from .attention import attention_reference, mla_attention, mla_combine, rope_table, splits_possible
-from .decoder import Dims, MLADecoder, MLAInputError, custom_kernel
+from .decoder import Dims, MLADecoder, MLAInputError, custom_kernel, release_cached
 from .serving import flash_mla_with_kvcache, get_mla_metadata
 from . import reference, roofline
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "backend", "kernels_built", "kernels_usable", "custom_kernel", "MLADecoder", "MLAInputError", "Dims",
+    "backend", "kernels_built", "kernels_usable", "custom_kernel", "MLADecoder", "MLAInputError", "Dims", "release_cached",
     "mla_attention", "mla_combine", "attention_reference", "rope_table", "splits_possible", "reference", "roofline",
     "get_mla_metadata", "flash_mla_with_kvcache",
 ]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 import importlib.util
+from typing import NamedTuple
+
+import torch
 
 _C = None
 if importlib.util.find_spec(__package__ + "._C") is None:
@@ -17,6 +18,28 @@ else:
         _IMPORT_ERROR = f"mla_decode._C failed to import: {e}"
 
 
+class AttentionInfo(NamedTuple):
+    """The attention kernel the extension runs on a device for a shape."""
+    rows_per_block: int
+    keys_per_tile: int
+    threads: int
+    smem_bytes: int
+    warp_size: int
+    blocks_per_sm: int
+    sms: int
+    kernel: str  # "hopper" (wgmma) or "portable" (tile-MMA)
+
+
+def attention_info(device: int, dv: int = 512, rope: int = 64) -> AttentionInfo:
+    """Named facts of the attention kernel on device index ``device`` for value
+    width dv and rope width rope inside the key (0: per-head rope keys).
+    Raises RuntimeError where the kernels cannot run there."""
+    if _C is None:
+        raise RuntimeError(f"mla_decode kernels are not built: {_IMPORT_ERROR}")
+    f = _C.attention_info(device, dv, rope)
+    return AttentionInfo(*f[:7], "hopper" if f[7] == 1 else "portable")
+
+
 def module():
     """The compiled extension module (None when not built)."""
     return _C
@@ -27,8 +50,8 @@ def kernels_built() -> bool:
     return _C is not None
 
 
-def kernels_usable(device) -> bool:
-    """True when the compiled kernels can run on ``device``."""
+def kernels_usable(device="cuda") -> bool:
+    """True when the compiled kernels can run on ``device`` (default: the GPU)."""
     device = torch.device(device)
     return _C is not None and device.type == "cuda" and torch.cuda.is_available()
 
@@ -48,8 +71,8 @@ def backend(device=None) -> str:
     name = torch.cuda.get_device_name(device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        kind = _C.attention_info(idx)[7]
-        attn = "hopper wgmma attention" if kind == 1 else "portable tile-MMA attention"
+        kind = attention_info(idx).kernel
+        attn = "hopper wgmma attention" if kind == "hopper" else "portable tile-MMA attention"
     except RuntimeError as e:  # the kernel cannot run here: say so rather than hide it
         attn = f"attention kernel unusable: {e}"
     return f"{_C.platform}-kernels ({_C.archs} build, {attn}) on {name}"

@@ -1,36 +1,25 @@
-"""The projection stages of a decode step (pipeline steps 1-3 and 6 of the
-README), on the task's weights as the caller passes them.
+"""The projection stages of a decode step (pipeline steps 1-3 and 6 of
+docs/architecture.md) as separate functions, on the task's weights as the
+caller passes them: the PyTorch fallback's step, and what the stage
+benchmarks and tests measure. (The kernel path runs the same stages from C++
+in one call: mla_decode._C.decode_step.)
 
-The products run on the vendor BLAS through PyTorch (cuBLAS; hipBLASLt or
-rocBLAS on AMD); on NVIDIA the wo product asks PyTorch for cuBLASLt while it
-is enqueued (``gemm(..., lt=True)``; measured on an H200 at bs 128: 62.1
-against 69.3 us, 90% of copy bandwidth; the other products are no faster
-there; MLA_DECODE_BLASLT=0 turns it off). Our Hopper skinny GEMM
-(torch.ops.mla_decode.gemm_nt: wgmma + TMA, split-K in a thread-block
-cluster) runs the down stage's two products in one launch on a Hopper
-build on a Hopper GPU (measured on an H200 at bs 128: 20.5 against cuBLAS's
-22.5 us for its two products; the decode step's graph 4-6 us faster); it
-is slower than cuBLAS for the other products (README), which take it only
-with MLA_DECODE_GEMM=sm90 (=vendor puts every product on the vendor BLAS).
-``gemm_path`` says which runs and why.
-``benchmarks/bench_projections.py`` measures each stage both ways. Every
+Which GEMM runs each product is mla_decode.kernel_choice's decision
+(``gemm_path``, ``query_path``, ``blas_lt_path`` say which and why). Every
 product writes where the next stage reads, so nothing is copied between
 stages:
 
-- ``down``: q_lora = x W_qd^T and the new latent row x W_kvd^T, the weights
-  where they lie.
+- ``down``: q_lora = x W_qd^T and the new latent row x W_kvd^T.
 - ``query``: q = q_lora W_qu^T; q_nope absorbed through W_UK straight into
   the attention's query buffer ``qbuf`` [H, bs, r + rope] (columns 0..r-1).
-  Returns q_pe (un-rotated). On Hopper, one launch of our fused query
-  kernel where ``query_path`` says so (q stays in registers), else the two
-  vendor products.
+  Returns q_pe (un-rotated). One launch of the fused Hopper query where
+  ``query_path`` says so, else two vendor products.
 - ``rope_append``: q_pe rotated at the new row's position into ``qbuf``'s
   last rope columns, and the new latent row written into the cache at that
-  position; the position is read on the device (seqlens - 1), so a captured
-  graph serves every step. The GPU kernel (torch.ops.mla_decode.rope_append)
-  or its PyTorch twin; both give the same bits.
-- ``output``: o [bs, H, r] through W_UV per head into ``obuf`` [bs, H, v]
-  (written through a [H, bs, v] view), then wo into ``y`` [bs, dim].
+  position (read on the device: seqlens - 1). The GPU kernel or its PyTorch
+  twin; both give the same bits.
+- ``output``: o [bs, H, r] through W_UV per head into ``obuf`` [bs, H, v],
+  then wo into ``y`` [bs, dim] (cuBLASLt where ``blas_lt_path`` says so).
 
 The attention reads ``qbuf`` as [bs, 1, H, r + rope] with strides
 (r + rope, -, bs * (r + rope), 1). Rounding is the task's: every product is
@@ -40,105 +29,13 @@ rotate-half in bf16, each product and the sum rounded.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
 from . import _ext
+from .kernel_choice import blas_lt_path, gemm_path, query_path
 from .reference import rope_rotate
 
 __all__ = ["down", "query", "query_path", "rope_append", "output", "stage_weight_bytes", "gemm", "gemm_path", "blas_lt_path"]
-
-_HOPPER = {}  # device index -> the Hopper kernels run there (a Hopper build on a Hopper GPU)
-
-
-def _hopper(device) -> bool:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _HOPPER:
-        try:
-            _HOPPER[idx] = _ext.module().attention_info(idx)[7] == 1
-        except RuntimeError:
-            _HOPPER[idx] = False
-    return _HOPPER[idx]
-
-
-_SMS = {}  # device index -> multiprocessor count
-
-
-def _sm_count(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
-def _aligned(t) -> bool:
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
-
-
-def _hopper_unusable(device, tensors, what):
-    """Why our Hopper kernel `what` cannot run on these bf16 operands here
-    ("vendor: ..."), or None: the checks the GEMM and the fused query share."""
-    if not _ext.kernels_usable(device):
-        return "vendor: " + _ext.backend(device)
-    if not _hopper(device):
-        return f"vendor: the {what} is Hopper-only (sm_90a build on a compute 9.x GPU)"
-    if any(t.dtype != torch.bfloat16 for t in tensors):
-        return "vendor: bf16 only"
-    return None
-
-
-def gemm_path(x, w, y=None, own=False) -> str:
-    """"sm90" when ``gemm`` runs x w^T on our Hopper GEMM, else "vendor: why".
-    MLA_DECODE_GEMM=sm90: every product on the Hopper GEMM where it runs;
-    =vendor: every product on the vendor BLAS; unset: the products that ask
-    for ours (``own``: the down stage) on it, the others on the vendor's.
-    (The variable is read on every call, not once, so that tests and
-    benchmarks can switch it at run time; a captured step replays with no
-    Python, so the read costs only eager calls and captures.)"""
-    mode = os.environ.get("MLA_DECODE_GEMM")
-    if mode == "vendor":
-        return "vendor: MLA_DECODE_GEMM=vendor"
-    if mode != "sm90" and not own:
-        return "vendor: the default for this product (MLA_DECODE_GEMM=sm90 puts every product on the Hopper GEMM)"
-    why = _hopper_unusable(x.device, (x, w), "skinny GEMM")
-    if why is not None:
-        return why
-    m, n = x.shape[-2], w.shape[-2]
-    if not 1 <= m <= 256:
-        return f"vendor: {m} rows of x (the Hopper GEMM takes 1 to 256)"
-    if n < 64 or n % 8:
-        return f"vendor: {n} output columns (the Hopper GEMM takes multiples of 8, at least 64)"
-    if not all(_aligned(t) for t in (x, w) + ((y,) if y is not None else ())):
-        return "vendor: operands not 16-byte aligned (base and strides)"
-    return "sm90"
-
-
-def blas_lt_path(x) -> bool:
-    """True when ``gemm(..., lt=True)`` asks PyTorch for cuBLASLt: a CUDA
-    build of PyTorch that lets the caller choose its BLAS library, x on the
-    GPU, and MLA_DECODE_BLASLT not 0."""
-    return (x.is_cuda and torch.version.cuda is not None and os.environ.get("MLA_DECODE_BLASLT") != "0"
-            and hasattr(torch.backends.cuda, "preferred_blas_library"))
-
-
-@contextlib.contextmanager
-def _prefer_cublaslt():
-    """PyTorch's preferred BLAS library set to cuBLASLt for the products
-    enqueued inside, then set back to what it was. (The setting is
-    process-wide: a product another thread enqueues meanwhile may run on
-    cuBLASLt too; PyTorch prints once that the setting is experimental.)"""
-    be = torch.backends.cuda
-    prev = be.preferred_blas_library()
-    if str(prev).lower().endswith("cublaslt"):
-        yield
-        return
-    be.preferred_blas_library("cublaslt")
-    try:
-        yield
-    finally:
-        be.preferred_blas_library(prev)
 
 
 def gemm(x, w, y, w1=None, y1=None, pdl=True, lt=False, own=False):
@@ -146,20 +43,21 @@ def gemm(x, w, y, w1=None, y1=None, pdl=True, lt=False, own=False):
     accumulation, into y (and y1) as given. x [m, k] or [batch, m, k], w [n,
     k] or [batch, n, k] (any row strides, unit last stride). pdl: the Hopper
     GEMM launches as a programmatic dependent (its weights stream while the
-    previous kernel ends). lt: on the vendor path, ask PyTorch for cuBLASLt
-    (where blas_lt_path says it can). own: this product takes our Hopper GEMM
-    by default (``gemm_path``)."""
+    previous kernel ends). lt: on the vendor path, run 2-D products on
+    cuBLASLt (where blas_lt_path says it can; a per-call choice, nothing
+    process-wide). own: this product takes our Hopper GEMM by default
+    (``gemm_path``)."""
     if gemm_path(x, w, y, own) == "sm90" and (w1 is None or gemm_path(x, w1, y1, own) == "sm90"):
         torch.ops.mla_decode.gemm_nt(x, w, y, w1, y1, None, pdl)
         return
-    with _prefer_cublaslt() if lt and blas_lt_path(x) else contextlib.nullcontext():
-        for ww, yy in ((w, y), (w1, y1)):
-            if ww is None:
-                continue
-            if x.dim() == 2:
+    for ww, yy in ((w, y), (w1, y1)):
+        if ww is None:
+            continue
+        if x.dim() == 2:
+            if not (lt and blas_lt_path(x) and ww.dtype == torch.bfloat16 and _ext.module().gemm_nt_lt(x, ww, yy)):
                 torch.mm(x, ww.t(), out=yy)
-            else:
-                torch.bmm(x, ww.transpose(1, 2), out=yy)
+        else:
+            torch.bmm(x, ww.transpose(1, 2), out=yy)
 
 
 def down(x2, w_qd, w_kvd):
@@ -173,34 +71,6 @@ def down(x2, w_qd, w_kvd):
     kv_new = torch.empty(bs, w_kvd.shape[0], dtype=x2.dtype, device=x2.device)
     gemm(x2, w_qd, q_lora, w_kvd, kv_new, own=True)
     return q_lora, kv_new
-
-
-def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
-    """"sm90" when ``query`` runs as one launch of our Hopper fused query
-    (torch.ops.mla_decode.query_fused: q_lora W_qu^T and the W_UK absorption
-    per head, one block per head, q never through memory), else "vendor:
-    why" (two vendor products). The default on a Hopper build on a Hopper
-    GPU with at least 3/4 as many heads as SMs (measured on an H200, 132
-    SMs: 128 heads 28.3 / 29.5 / 33.8 us against 30.3 / 30.5 / 35.7 at bs 1 /
-    32 / 128; 64 heads, half the SMs idle, 23.9 against 22.4 at bs 128);
-    MLA_DECODE_GEMM=vendor turns it off."""
-    if os.environ.get("MLA_DECODE_GEMM") == "vendor":
-        return "vendor: MLA_DECODE_GEMM=vendor"
-    why = _hopper_unusable(q_lora.device, (q_lora, w_qu, w_uk, qbuf), "fused query")
-    if why is not None:
-        return why
-    H, nope, r = w_uk.shape
-    rope = w_qu.shape[0] // H - nope
-    if (nope, rope) != (128, 64) or r % 128:
-        return f"vendor: heads of {nope} nope + {rope} rope columns, r {r} (the fused query takes 128 + 64, r a multiple of 128)"
-    if not 1 <= q_lora.shape[0] <= 128:
-        return f"vendor: {q_lora.shape[0]} rows of q_lora (the fused query takes 1 to 128)"
-    sms = _sm_count(q_lora.device)
-    if 4 * H < 3 * sms:
-        return f"vendor: {H} heads on {sms} SMs (the fused query runs one block per head: at least 3/4 of the SMs)"
-    if not all(_aligned(t) for t in (q_lora, w_qu, w_uk, qbuf)):
-        return "vendor: operands not 16-byte aligned (bases and strides of q_lora, the weights and qbuf)"
-    return "sm90"
 
 
 def query(q_lora, w_qu, w_uk, qbuf, path=None):
@@ -279,7 +149,7 @@ def output(o_lat, w_uv_t, w_o, obuf, y):
     are written. Returns y."""
     gemm(o_lat.transpose(0, 1), w_uv_t.transpose(1, 2), obuf.transpose(0, 1))
     bs, H, v = obuf.shape
-    gemm(obuf.view(bs, H * v), w_o, y, lt=True)  # cuBLASLt: 10% faster than cuBLAS here (module docstring)
+    gemm(obuf.view(bs, H * v), w_o, y, lt=True)  # (cuBLASLt: docs/projections.md)
     return y
 
 

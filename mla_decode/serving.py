@@ -74,7 +74,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                           softmax_scale=None, causal=False, *, kpe_cache=None):
+                           softmax_scale=None, causal=False, *, kpe_cache=None, check_block_table=False):
     """q: [b, s_q, h_q, d] (d = head_dim_v + rope; DeepSeek 576);
     k_cache: [num_blocks, page_block_size, 1, d] (or [num_blocks,
     page_block_size, d]); block_table: [b, max_blocks] int32; cache_seqlens:
@@ -83,6 +83,11 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     query token i (of s_q) to positions < L - (s_q - 1 - i).
     kpe_cache (keyword, optional): per-head rope keys [num_blocks,
     page_block_size, h_q, d - dv]; k_cache's last dimension is then dv.
+    Block ids: an id outside [0, num_blocks) in a slot a sequence uses is
+    read as block 0 (never outside k_cache; that sequence's output is then
+    unspecified). check_block_table=True (keyword) checks the used slots
+    first and raises ValueError naming the first bad one (a host
+    synchronization: a debugging mode, not for the hot path).
 
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32)."""
     if q.dim() != 4:
@@ -110,6 +115,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                          f"{tile_scheduler_metadata.device}")
     if softmax_scale is None:
         softmax_scale = d ** -0.5
+    if check_block_table:
+        _check_block_ids(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
     return torch.ops.mla_decode.attention(q, k_cache, cache_seqlens, block_table, None, float(softmax_scale),
                                           bool(causal), None, int(head_dim_v), kpe_cache)
 
@@ -121,3 +128,14 @@ def _check_seqlens(cache_seqlens):
                         f"{list(getattr(cache_seqlens, 'shape', []))}")
     if not cache_seqlens.is_cuda:
         raise ValueError(f"cache_seqlens must be on the GPU, got {cache_seqlens.device}")
+
+
+def _check_block_ids(block_table, cache_seqlens, num_blocks, page):
+    """ValueError naming the first used block-table slot outside [0, num_blocks)."""
+    used = (cache_seqlens.to(torch.int64) + page - 1) // page                       # [b] slots in use
+    slots = torch.arange(block_table.shape[1], device=block_table.device)
+    bad = (slots[None, :] < used[:, None]) & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is outside k_cache's "
+                         f"{num_blocks} blocks (sequence {b} uses its first {int(used[b])} slots)")

@@ -50,3 +50,21 @@ def small_input():
         kw.update(over)
         return generate_input(batch_size=bs, prefill=prefill, seed=seed, device=device, **kw)
     return make
+
+
+@pytest.fixture
+def gemm_env(monkeypatch):
+    """set(value): MLA_DECODE_GEMM set (None: unset) and the kernel choice
+    re-read; put back after the test."""
+    from mla_decode import kernel_choice
+
+    def set_mode(value):
+        if value is None:
+            monkeypatch.delenv("MLA_DECODE_GEMM", raising=False)
+        else:
+            monkeypatch.setenv("MLA_DECODE_GEMM", value)
+        kernel_choice.reload_settings()
+
+    yield set_mode
+    monkeypatch.undo()
+    kernel_choice.reload_settings()

@@ -312,8 +312,8 @@ def test_separate_rotated_rope_keys_give_the_on_the_fly_bits(lens):
 
 @pytest.mark.parametrize("with_kpe", [False, True])
 def test_registered_layout_loads_partial_halves_by_tma_bit_for_bit(with_kpe):
-    """A registered cache layout (attention_bounded_register, as the decoder
-    registers its cache and rotated keys) loads a sequence's last, partial
+    """A registered cache layout (attention_bounded_register, as the decode
+    step registers its cache) loads a sequence's last, partial
     key half by TMA, the rows past the length arriving as zeros through the
     map's row extent: bit for bit what the same call on an unregistered copy
     gives (cp.async, zero-filled), and right against float64. The rows past
@@ -381,8 +381,8 @@ def test_no_split_plan_and_call():
     of the other kind raises (the two differ in size)."""
     from mla_decode import splits_possible
 
-    rows_per_block, _, _, _, _, per_sm, sms, _ = mla_decode._ext.module().attention_info(0)
-    bs = max(1, sms * per_sm // -(-128 // rows_per_block))  # the smallest batch the planner cannot split
+    info = mla_decode._ext.attention_info(0)
+    bs = max(1, info.sms * info.blocks_per_sm // -(-128 // info.rows_per_block))  # the smallest batch the planner cannot split
     assert not splits_possible(bs, 1, 128, torch.device("cuda")) and splits_possible(bs - 1, 1, 128, torch.device("cuda"))
     q, kv, seqlens = make_case([700] * bs, max_seq=704, seed=91)
     cs = rope_table(kv.shape[1], device="cuda")

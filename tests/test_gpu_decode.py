@@ -59,60 +59,83 @@ def test_backend_names_the_gpu():
     assert "kernels" in mla_decode.backend("cuda")
 
 
-def test_captured_step_matches_eager_bitwise():
-    """From the second call on one cache the step replays a captured graph;
-    it must give exactly the eager step's y and cache across positions (the
-    graph advances the length itself; a rewound length is written again), a
-    new x every call, an in-place weight change (version counter) and a
-    weight swapped through ``.data`` (new address, same version) and a write
-    to the cache's rope columns (the rotated copy is rebuilt), and a returned
-    y must not change under later calls."""
+def test_step_is_deterministic_and_reads_every_input_as_it_is():
+    """Nothing is kept between calls: two decoders on two copies give the
+    same bits every step while x changes, weights change in place, weights
+    are replaced by new objects at new addresses, the cache's rope columns
+    are rewritten through PyTorch, and the cache is rewound; a returned y is
+    never touched by later calls."""
+    import dataclasses
+
     config, x, kv = generate_input(batch_size=16, prefill=200, seed=21, device="cuda")
-    kv_e = kv.clone()
-    dg = mla_decode.MLADecoder(backend="kernels")
-    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
+    kv2 = kv.clone()
+    d1, d2 = mla_decode.MLADecoder(backend="kernels"), mla_decode.MLADecoder(backend="kernels")
     g = torch.Generator(device="cuda").manual_seed(3)
-    graphed, kept = [], []
-    for step in range(32):
+    kept = []
+    for step in range(24):
         x = torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16)
-        if step == 10:  # rewind both caches by three rows
+        if step == 6:
             kv.seq_len -= 3
-            kv_e.seq_len -= 3
-        if step == 20:
+            kv2.seq_len -= 3
+        if step == 9:
             config.wo_weight.mul_(0.5)
-        if step == 26:
-            config.Q_proj_up_weight.data = config.Q_proj_up_weight.data * 0.5
-        if step == 14:  # a write through PyTorch: the decoders' rotated keys must be rebuilt
-            for c in (kv, kv_e):
+        if step == 12:
+            config = dataclasses.replace(config, Q_proj_up_weight=config.Q_proj_up_weight * 0.5)
+        if step == 15:
+            for c in (kv, kv2):
                 c.data[:, : c.seq_len, -64:] *= -1
-            kv_fresh = kv.clone()
-        yg, _ = dg(config, x, kv)
-        graphed.append(dg.last_graphed)
-        if step == 14:
-            y_fresh, _ = mla_decode.MLADecoder(backend="kernels", graphs=False)(config, x, kv_fresh)
-            assert torch.equal(yg, y_fresh), "stale rotated keys after a write to the cache"
-        ye, _ = de(config, x, kv_e)
-        assert not de.last_graphed
-        assert torch.equal(yg, ye), f"step {step}: graphed y differs from eager"
-        assert torch.equal(kv.data, kv_e.data), f"step {step}: caches differ"
-        kept.append((yg, yg.clone()))
-    assert kv.seq_len == kv_e.seq_len == 229
-    # an in-place change keeps the addresses (the graph reads the new values); a weight at a new
-    # address is a new key: eager once, then captured again
-    assert graphed[0] is False and all(graphed[1:26]) and graphed[26] is False and all(graphed[27:]), graphed
+        y1, _ = d1(config, x, kv)
+        y2, _ = d2(config, x, kv2)
+        assert torch.equal(y1, y2), f"step {step}: y differs between two runs"
+        assert torch.equal(kv.data, kv2.data), f"step {step}: caches differ"
+        kept.append((y1, y1.clone()))
+        if step in (0, 9, 12, 15):
+            y_ref, _ = ref_kernel((config, x, _before_step(kv)), batch_chunk=8)
+            assert_task_rule(y1, y_ref, f"y at step {step}")
     for i, (y, y_copy) in enumerate(kept):
         assert torch.equal(y, y_copy), f"y of step {i} changed under later calls"
 
 
-def test_captures_are_bounded_across_caches():
-    config, x, _ = generate_input(batch_size=2, prefill=0, max_seq_len=16, seed=8, device="cuda")
+def _before_step(kv):
+    """A copy of kv as it was before its last step (the new row cleared)."""
+    c = kv.clone()
+    c.seq_len -= 1
+    c.data[:, c.seq_len] = 0
+    return c
+
+
+def test_first_call_cache_swap_and_fresh_inputs_agree_with_the_reference():
+    """The judge's three kinds of call: the first on a cache, the first after
+    switching to another cache, and one on wholly fresh inputs."""
     dec = mla_decode.MLADecoder(backend="kernels")
-    caches = [generate_input(batch_size=2, prefill=3, max_seq_len=16, seed=9 + i, device="cuda")[2] for i in range(7)]
-    for kv in caches:
-        for _ in range(3):
-            y, _ = dec(config, x, kv)
-        assert dec.last_graphed
-    assert len(dec._caches) <= 4
+    c1, x1, kv1 = generate_input(batch_size=32, prefill=333, seed=61, device="cuda")
+    c2, x2, kv2 = generate_input(batch_size=32, prefill=500, seed=62, device="cuda")
+    for cfg, x, kv in ((c1, x1, kv1), (c1, x1, kv1), (c1, x1, kv2), (c1, x1, kv1), (c2, x2, kv2)):
+        ref = kv.clone()
+        y, data = dec(cfg, x, kv)
+        y_ref, data_ref = ref_kernel((cfg, x, ref), batch_chunk=8)
+        assert_task_rule(y, y_ref, "y")
+        assert_task_rule(data, data_ref, "cache")
+
+
+def test_cache_written_by_a_graph_replay_is_read_as_it_is():
+    """A cache written by something PyTorch does not see (a CUDA graph
+    replay: no version bump) between steps is read as it is now."""
+    config, x, kv = generate_input(batch_size=8, prefill=150, seed=71, device="cuda")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv)
+    new_rows = torch.randn(8, 40, 576, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv.data[:, 100:140].copy_(new_rows)
+    kv.data[:, 100:140].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = kv.clone()
+    y, _ = dec(config, x, kv)
+    y_ref, _ = ref_kernel((config, x, ref), batch_chunk=8)
+    assert_task_rule(y, y_ref, "y after a foreign write")
 
 
 def test_no_device_memory_growth_over_1000_calls():
@@ -125,199 +148,120 @@ def test_no_device_memory_growth_over_1000_calls():
     for _ in range(1000):
         y, _ = dec(config, x, kv)
     torch.cuda.synchronize()
-    assert dec.last_graphed and kv.seq_len == 1010
+    assert kv.seq_len == 1010
     assert torch.cuda.memory_allocated() == before
 
 
-def test_new_weight_objects_every_call_as_the_ranked_harness_passes_them():
-    """The task's ranked mode passes new weight objects on every call: each
-    call must read the weights it is given (here: clones, some with new
-    values), graphed or not."""
-    import dataclasses
-
-    config, x, kv = generate_input(batch_size=8, prefill=100, seed=31, device="cuda")
-    kv_e = kv.clone()
-    dg = mla_decode.MLADecoder(backend="kernels")
-    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
-    names = ("Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")
-    for step in range(12):
-        scale = 1.0 if step % 4 else 0.5  # every fourth call new values too
-        cfg = dataclasses.replace(config, **{n: getattr(config, n).clone() * scale for n in names})
-        yg, _ = dg(cfg, x, kv)
-        ye, _ = de(cfg, x, kv_e)
-        assert torch.equal(yg, ye), f"step {step}"
-        del cfg
-    assert torch.equal(kv.data, kv_e.data)
-
-
-def test_repeated_call_rechecks_every_input():
-    """After graphed calls with the same objects (the decoder then replays
-    the last step after comparing the inputs with the last call's), every
-    bad input must still raise before anything is written, and a good call
-    afterwards must still match the eager step."""
+def test_refused_calls_write_nothing():
+    """Every bad input raises before anything is written, and a good call
+    afterwards gives what a fresh decoder gives."""
     config, x, kv = generate_input(batch_size=4, prefill=30, max_seq_len=40, seed=41, device="cuda")
-    kv_e = kv.clone()
-    dg = mla_decode.MLADecoder(backend="kernels")
-    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
-    for _ in range(3):
-        yg, _ = dg(config, x, kv)
-        ye, _ = de(config, x, kv_e)
-    assert dg.last_graphed and torch.equal(yg, ye)
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv)
     before, L = kv.data.clone(), kv.seq_len
     w = config.Q_proj_up_weight
     bad = [
-        (lambda: dg(config, x[:, :, :-8].contiguous(), kv), mla_decode.MLAInputError, "x must have shape"),
-        (lambda: dg(config, x[:2], kv), mla_decode.MLAInputError, r"kv_cache.data must have shape \[bs=2"),
-        (lambda: dg(config, x.float(), kv), TypeError, "x must be torch.bfloat16"),
-        (lambda: dg(config, torch.cat([x, x], -1)[..., :x.shape[-1]], kv), mla_decode.MLAInputError,
+        (lambda: dec(config, x[:, :, :-8].contiguous(), kv), mla_decode.MLAInputError, "x must have shape"),
+        (lambda: dec(config, x[:2], kv), mla_decode.MLAInputError, r"kv_cache.data must have shape \[bs=2"),
+        (lambda: dec(config, x.float(), kv), TypeError, "x must be torch.bfloat16"),
+        (lambda: dec(config, torch.cat([x, x], -1)[..., :x.shape[-1]], kv), mla_decode.MLAInputError,
          "x must be contiguous"),
+        (lambda: dec(config, x, kv.data), TypeError, "kv_cache must be the task's KVCache"),
     ]
     for fn, exc, msg in bad:
         with pytest.raises(exc, match=msg):
             fn()
-    # a weight viewed at the same address with another shape (no version bump)
     w.data = w.data.view(w.shape[0] // 2, w.shape[1] * 2)
     with pytest.raises(mla_decode.MLAInputError, match="Q_proj_up_weight must have shape"):
-        dg(config, x, kv)
+        dec(config, x, kv)
     w.data = w.data.view(w.shape[0] * 2, w.shape[1] // 2)
     config.n_heads //= 2
     with pytest.raises(mla_decode.MLAInputError, match="must have shape"):
-        dg(config, x, kv)
+        dec(config, x, kv)
     config.n_heads *= 2
     kv.seq_len = kv.data.shape[1]
     with pytest.raises(mla_decode.MLAInputError, match="full"):
-        dg(config, x, kv)
+        dec(config, x, kv)
     kv.seq_len = L
     assert torch.equal(kv.data, before), "a refused call wrote the cache"
-    yg, _ = dg(config, x, kv)
-    ye, _ = de(config, x, kv_e)
-    assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
-    # new weight objects over the same memory (as the ranked mode's clones often land), one
-    # with new values: the replay of the last step serves them and reads the new values
-    import dataclasses
-
-    names = ("Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")
-    last = dg._last
-    cfg2 = dataclasses.replace(config, **{n: getattr(config, n).view(getattr(config, n).shape) for n in names})
-    cfg2.wo_weight.mul_(0.5)
-    yg, _ = dg(cfg2, x, kv)
-    ye, _ = de(cfg2, x, kv_e)
-    assert dg._last is last, "new objects at the same addresses did not take the replay path"
-    assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
+    kv_fresh = kv.clone()
+    y, _ = dec(config, x, kv)
+    y_fresh, _ = mla_decode.MLADecoder(backend="kernels")(config, x, kv_fresh)
+    assert torch.equal(y, y_fresh) and torch.equal(kv.data, kv_fresh.data)
 
 
-def test_replay_follows_moved_storage_and_new_x():
-    """The repeated-call fast path pins the cache's address (the captured
-    step writes the new row there): a cache tensor given new storage in
-    place (same object, same shape) must not be written through the old
-    address, and x may sit at a new address on every call (it is copied in)."""
-    config, x, kv = generate_input(batch_size=4, prefill=20, max_seq_len=40, seed=43, device="cuda")
-    kv_e = kv.clone()
-    dg = mla_decode.MLADecoder(backend="kernels")
-    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
-    for _ in range(3):
-        x = x.clone()  # a new address each call
-        yg, _ = dg(config, x, kv)
-        ye, _ = de(config, x, kv_e)
-        assert torch.equal(yg, ye)
-    assert dg.last_graphed
-    fresh = kv.data.clone()
-    kv.data.set_(fresh.untyped_storage(), fresh.storage_offset(), fresh.shape, fresh.stride())
-    yg, _ = dg(config, x, kv)  # the same object, now over new storage
-    ye, _ = de(config, x, kv_e)
-    assert torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
-    assert kv.data.data_ptr() == fresh.data_ptr()
+def test_misaligned_cache_rows_are_refused_before_any_write():
+    """A cache view whose rows do not start on 16-byte boundaries (a slice of
+    a wider buffer) is refused with a clear error; nothing is written."""
+    config, x, kv = generate_input(batch_size=4, prefill=20, max_seq_len=40, seed=45, device="cuda")
+    wide = torch.zeros(4, 40, 577, dtype=torch.bfloat16, device="cuda")
+    wide[..., 1:] = kv.data
+    before = wide.clone()
+    kv.data = wide[..., 1:]
+    with pytest.raises(mla_decode.MLAInputError, match="16-byte aligned"):
+        mla_decode.MLADecoder(backend="kernels")(config, x, kv)
+    assert torch.equal(wide, before) and kv.seq_len == 20
 
 
-def test_step_reads_a_repeated_x_where_it_lies():
-    """Two consecutive calls with x at one address capture the step a second
-    time on that x (no copy in): it must give the eager step's y and cache
-    bit for bit while x is rewritten in place between calls, and an x at
-    another address must be copied in as before."""
-    config, x, kv = generate_input(batch_size=16, prefill=130, seed=31, device="cuda")
-    kv_e = kv.clone()
-    dg = mla_decode.MLADecoder(backend="kernels")
-    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    other = torch.empty_like(x)
-    for step in range(9):
-        use = other if step == 6 else x
-        use.copy_(torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16))  # same address, new values
-        yg, _ = dg(config, use, kv)
-        ye, _ = de(config, use, kv_e)
-        assert torch.equal(yg, ye), f"y at step {step}"
-        assert torch.equal(kv.data, kv_e.data), f"cache at step {step}"
-        if step >= 3:
-            st = dg._last.step
-            if st.launcher is None:
-                pytest.skip("this PyTorch gives no CUDAGraph.raw_cuda_graph_exec: no C++ launcher, no direct graph")
-            assert st.direct is not None and st.launcher.direct_address == x.data_ptr()
-    assert dg.last_graphed
-
-
-def test_captured_step_without_split_matches_eager():
+def test_step_without_split_matches_the_reference():
     """At a batch the split planner cannot split (one length for all, bs at
     least its target parts: the task's bs 128 on an H100/H200) the step
-    plans one part per sequence and launches no combine; graphed and eager
-    steps must still agree bit for bit and with the reference."""
-    rows_per_block, _, _, _, _, per_sm, sms, _ = mla_decode._ext.module().attention_info(0)
-    bs = max(1, sms * per_sm // -(-128 // rows_per_block))
+    plans one part per sequence and launches no combine."""
+    info = mla_decode._ext.attention_info(0)
+    bs = max(1, info.sms * info.blocks_per_sm // -(-128 // info.rows_per_block))
+    assert not mla_decode.splits_possible(bs, 1, 128, "cuda")
     config, x, kv = generate_input(batch_size=bs, prefill=130, max_seq_len=160, seed=51, device="cuda")
-    kv_e, kv_r = kv.clone(), kv.clone()
-    dg = mla_decode.MLADecoder(backend="kernels")
-    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
-    assert dg._split(mla_decode.Dims(bs, 0, 128, 0, 0, 0, 0, 0, 0), x.device) is False
-    for step in range(5):
-        yg, _ = dg(config, x, kv)
-        ye, _ = de(config, x, kv_e)
-        assert torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data), f"step {step}"
-        if step == 0:
-            y_ref, _ = ref_kernel((config, x, kv_r), batch_chunk=8)
-            assert_task_rule(yg, y_ref, "y")
-    assert dg.last_graphed
+    kv_r = kv.clone()
+    y, _ = mla_decode.MLADecoder(backend="kernels")(config, x, kv)
+    y_ref, data_ref = ref_kernel((config, x, kv_r), batch_chunk=8)
+    assert_task_rule(y, y_ref, "y")
+    assert_task_rule(kv.data, data_ref, "cache")
 
 
 def test_decoder_call_inside_a_user_capture():
-    """A call made while the user's stream is capturing (after graphed calls,
-    so the fast path is armed) runs the step eagerly into the user's graph;
-    replaying that graph does what the eager step does."""
+    """A call made while the user's stream captures is enqueued into the
+    user's graph; replaying it does what the call does."""
     config, x, kv = generate_input(batch_size=4, prefill=20, max_seq_len=40, seed=44, device="cuda")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv)
     kv_e = kv.clone()
-    dg = mla_decode.MLADecoder(backend="kernels")
-    de = mla_decode.MLADecoder(backend="kernels", graphs=False)
-    for _ in range(3):
-        dg(config, x, kv)
-        de(config, x, kv_e)
-    assert dg.last_graphed
     torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # (warm-up outside the capture, as capture asks)
+        dec(config, x, kv.clone())
+    torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
+    start = kv.seq_len
     with torch.cuda.graph(g):
-        yg, _ = dg(config, x, kv)
-    assert not dg.last_graphed
+        yg, _ = dec(config, x, kv)
     g.replay()
-    ye, _ = de(config, x, kv_e)
+    ye, _ = dec(config, x, kv_e)
     torch.cuda.synchronize()
+    assert kv.seq_len == kv_e.seq_len == start + 1
     assert torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
-    # and the decoder's own graphs serve the calls after it
-    for _ in range(3):
-        yg, _ = dg(config, x, kv)
-        ye, _ = de(config, x, kv_e)
-    assert dg.last_graphed and torch.equal(yg, ye) and torch.equal(kv.data, kv_e.data)
 
 
-def test_captured_step_of_a_tp_rank_matches_eager_across_a_pair_boundary():
-    """A tensor-parallel rank's step (rank 0 of 2: 64 of 128 heads) captured
-    and replayed gives the eager step's bits at every position, across a
-    128-key boundary: the captured step plans the next step's split inside
-    the graph, and the plan's shape (tiles per sequence) changes there."""
+def test_tp_rank_shapes_match_the_reference():
+    """A tensor-parallel rank's step (rank 0 of 2: 64 of 128 heads, the
+    vendor query path), across a 128-key boundary."""
     from mla_decode.tp import shard_config
 
     config, x, kv = generate_input(batch_size=8, prefill=250, seed=5, device="cuda")
     cfg = shard_config(config, 0, 2)
-    runs = {"graphed": (mla_decode.MLADecoder(backend="kernels"), kv),
-            "eager": (mla_decode.MLADecoder(backend="kernels", graphs=False), kv.clone())}
-    for step in range(10):
-        y = {name: dec(cfg, x, cache)[0] for name, (dec, cache) in runs.items()}
-        assert torch.equal(y["graphed"], y["eager"]), f"step {step}: y"
-        assert torch.equal(kv.data, runs["eager"][1].data), f"step {step}: cache"
-    assert runs["graphed"][0].last_graphed and kv.seq_len == 260
+    dec = mla_decode.MLADecoder(backend="kernels")
+    for step in range(8):
+        kv_r = kv.clone()
+        y, _ = dec(cfg, x, kv)
+        y_ref, _ = ref_kernel((cfg, x, kv_r), batch_chunk=8)
+        assert_task_rule(y, y_ref, f"y at step {step}")
+    assert kv.seq_len == 258
+
+
+def test_last_paths_say_what_ran():
+    config, x, kv = generate_input(batch_size=8, prefill=10, seed=6, device="cuda")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv)
+    assert set(dec.last_paths) == {"down", "query", "wo"}
+    if mla_decode.kernel_choice.hopper("cuda"):
+        assert dec.last_paths["down"] == "sm90 GEMM" and dec.last_paths["query"] == "fused sm90 query"

@@ -178,10 +178,10 @@ def test_per_head_keys_dv512(h_q, s_q, rope, dtype):
     mla_attention(q, kv, seqlens, 0.09, out=out, lse=lse, head_dim_v=512, kpe_heads=kh, causal=s_q > 1)
     ro, rl = attention_reference(q, kv, seqlens, 0.09, head_dim_v=512, kpe_heads=kh, causal=s_q > 1)
     check(out, lse, ro, rl, f"per-head dv 512 h_q={h_q} s_q={s_q} rope={rope}")
-    from mla_decode import _C
+    from mla_decode._ext import attention_info
     dev = torch.cuda.current_device()
-    if _C.attention_info(dev, 512, 64)[7] == 1:  # a Hopper build on a Hopper GPU: per-head keys go there too
-        assert _C.attention_info(dev, 512, 0)[7] == 1 and _C.attention_info(dev, 512, 0)[0] == 32
+    if attention_info(dev, 512, 64).kernel == "hopper":  # a Hopper build on a Hopper GPU: per-head keys go there too
+        assert attention_info(dev, 512, 0).kernel == "hopper" and attention_info(dev, 512, 0).rows_per_block == 32
 
 
 def test_flexible_bad_inputs():

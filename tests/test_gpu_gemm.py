@@ -18,7 +18,7 @@ from conftest import assert_task_rule
 def _hopper():
     if not mla_decode.kernels_usable("cuda"):
         return False
-    return projections._hopper(torch.device("cuda", torch.cuda.current_device()))
+    return mla_decode.kernel_choice.hopper("cuda")
 
 
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs the Hopper kernels (an sm_90a build on a compute 9.x "
@@ -130,25 +130,25 @@ def test_bad_operands_raise_and_write_nothing():
         torch.ops.mla_decode.gemm_nt(x.float(), w, y)
 
 
-def test_gemm_path_says_which_gemm_runs(monkeypatch):
+def test_gemm_path_says_which_gemm_runs(gemm_env):
     w = torch.zeros(7168, 16384, dtype=torch.bfloat16, device="cuda")[:, :7168]
-    monkeypatch.delenv("MLA_DECODE_GEMM", raising=False)
+    gemm_env(None)
     x = torch.zeros(128, 7168, dtype=torch.bfloat16, device="cuda")
     assert projections.gemm_path(x, w).startswith("vendor: the default")
     assert projections.gemm_path(x, w, own=True) == "sm90"  # the down stage's products
-    monkeypatch.setenv("MLA_DECODE_GEMM", "vendor")
+    gemm_env("vendor")
     assert projections.gemm_path(x, w, own=True).startswith("vendor: MLA_DECODE_GEMM=vendor")
-    monkeypatch.setenv("MLA_DECODE_GEMM", "sm90")
+    gemm_env("sm90")
     for bs in (1, 32, 128, 256):
         assert projections.gemm_path(x[:bs] if bs <= 128 else x.repeat(2, 1), w) == "sm90"
     assert "rows of x" in projections.gemm_path(torch.zeros(257, 7168, dtype=torch.bfloat16, device="cuda"), w)
 
 
 @pytest.mark.parametrize("bs", [1, 128])
-def test_stages_on_the_hopper_gemm_match_the_vendor_path(monkeypatch, bs):
+def test_stages_on_the_hopper_gemm_match_the_vendor_path(gemm_env, bs):
     """The projection stages with MLA_DECODE_GEMM=sm90 (down in one launch, W_qu, W_UV per head, wo) against float64."""
     from mla_decode.reference import generate_input
-    monkeypatch.setenv("MLA_DECODE_GEMM", "sm90")
+    gemm_env("sm90")
     config, x, _ = generate_input(batch_size=bs, prefill=0, max_seq_len=8, seed=900 + bs, device="cuda")
     H, nope, v, r = config.n_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
     x2 = x.view(bs, -1)

@@ -64,7 +64,7 @@ def test_query_stage_takes_the_fused_kernel_on_hopper():
     assert torch.isnan(qbuf[:, :, 512:]).all(), "query wrote the rope columns"
 
 
-def test_query_path_says_why_not(monkeypatch):
+def test_query_path_says_why_not(gemm_env):
     q_lora, w_qu, w_uk = operands(129, 4, 256)
     qbuf = torch.empty(4, 129, 576, dtype=torch.bfloat16, device="cuda")
     assert "129 rows" in projections.query_path(q_lora, w_qu, w_uk, qbuf)
@@ -72,7 +72,7 @@ def test_query_path_says_why_not(monkeypatch):
     assert "64 nope" in projections.query_path(q_lora, w_qu, w_uk, qbuf[:, :8])
     q_lora, w_qu, w_uk = operands(8, 4, 256)
     assert "4 heads on" in projections.query_path(q_lora, w_qu, w_uk, qbuf[:, :8])
-    monkeypatch.setenv("MLA_DECODE_GEMM", "vendor")
+    gemm_env("vendor")
     assert projections.query_path(q_lora, w_qu, w_uk, qbuf[:, :8]) == "vendor: MLA_DECODE_GEMM=vendor"
 
 

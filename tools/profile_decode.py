@@ -12,7 +12,7 @@ from mla_decode.reference import generate_input
 
 prefill = int(sys.argv[1]) if len(sys.argv) > 1 else 512
 config, x, kv = generate_input(batch_size=128, prefill=prefill, device="cuda")
-dec = mla_decode.MLADecoder(graphs=False)  # eager: one profiler row per kernel
+dec = mla_decode.MLADecoder()
 for _ in range(3):
     dec(config, x, kv)
 torch.cuda.synchronize()

@@ -2,8 +2,8 @@
 // (ops.cpp) and exposes build facts through pybind11.
 #include <torch/extension.h>
 
+#include "blas_lt.h"
 #include "ops.h"
-#include "step_launcher.h"
 
 #ifndef MLA_BUILD_ARCHS
 #define MLA_BUILD_ARCHS "unknown"
@@ -24,15 +24,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the split planner's target parts per head block on `device` for s_q x h_q query rows");
   m.def("attention_bounded_register", &mla::api::attention_bounded_register, py::arg("kv"), py::arg("kpe"),
         py::arg("dv") = 512,
-        "register a contiguous cache's layout (and kpe's) so the Hopper attention loads partial key halves by TMA; "
-        "returns the map table (keep it alive with graphs capturing such calls), or None where it does not apply "
-        "(not the Hopper kernel, or capturing)");
+        "register a contiguous cache's layout (and kpe's) so the Hopper attention loads partial key halves by TMA "
+        "(outside graph capture); returns the map table, or None where it does not apply (not the Hopper kernel, "
+        "unaligned rows, or capturing)");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none(),
         py::arg("plan") = py::none(), py::arg("split") = true);
-  m.def("copy_async", &mla::api::copy_async, py::arg("dst"), py::arg("src"),
-        "dst <- src on the current stream (same dtype and size, contiguous, one GPU)");
+  m.def("decode_step", &mla::api::decode_step, py::arg("x"), py::arg("w_qd"), py::arg("w_kvd"), py::arg("w_qu"),
+        py::arg("w_kvu"), py::arg("w_o"), py::arg("cache"), py::arg("pos"), py::arg("cfg"), py::arg("rope_cs"),
+        py::arg("want"),
+        "one decode step of the layer (checked, then enqueued): returns (y [bs, 1, dim], the paths that ran)");
+  m.def("gemm_nt_lt", &mla::api::gemm_nt_lt, py::arg("x"), py::arg("w"), py::arg("y"),
+        "y = x w^T on cuBLASLt (bf16, 2-D, unit last strides); False where it cannot (nothing ran)");
+  m.def("release_cached", &mla::api::release_cached, "drop the attention's bounded-map tables");
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));
-  mla::api::bind_step_launcher(m);
 }

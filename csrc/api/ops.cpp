@@ -5,6 +5,7 @@
 // PyTorch's ROCm build keeps the at::cuda / c10::cuda names (HIP underneath),
 // so this file serves both vendors unchanged.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -108,24 +109,59 @@ struct KvLayout {
 };
 
 // Registered bounded-map tables (attention_bounded_register): per device, the
-// layouts they serve, most recent first, at most kBoundedTables. A table
-// depends on nothing but the layout (addresses, sizes, strides), so any call
-// whose cache and kpe have exactly a registered layout may use it.
+// layouts they serve, most recent first, at most kBoundedTables (2 x 128
+// bytes per cache row each). A table depends on nothing but the layout
+// (addresses, sizes, strides), so any call whose cache and kpe have exactly
+// a registered layout may use it. It is built on the registering stream
+// with no host wait: a use on another stream waits for `built` and records
+// the stream with the caching allocator, so a dropped table's memory is
+// reused only after every such use. Calls made while their stream captures
+// a graph use no table (a graph would keep its address past a drop).
 constexpr size_t kBoundedTables = 4;
 struct BoundedEntry {
   int device;
   BoundedLayout layout;
   at::Tensor table;
+  stream_t stream;  // where it was built
+  event_t built;    // recorded there after the build; destroyed with the entry (never at exit)
 };
 std::mutex bounded_mu;
-std::vector<BoundedEntry> bounded_tables;
+// never destroyed: nothing CUDA-related runs during static destruction at exit
+std::vector<BoundedEntry>& bounded_tables = *new std::vector<BoundedEntry>();
 
-// The registered table of this layout, or an undefined tensor.
-at::Tensor bounded_table_for(int device, const BoundedLayout& l) {
+bool capturing(stream_t stream) {
+  bool c = false;
+  check_launch(stream_capturing(stream, &c), "stream capture query");
+  return c;
+}
+
+// The registered table of this layout, made safe to read on `stream`, or an
+// undefined tensor.
+at::Tensor bounded_table_for(int device, const BoundedLayout& l, stream_t stream) {
   std::lock_guard<std::mutex> lock(bounded_mu);
-  for (const BoundedEntry& e : bounded_tables)
-    if (e.device == device && e.layout == l) return e.table;
+  for (BoundedEntry& e : bounded_tables)
+    if (e.device == device && e.layout == l) {
+      if (e.stream != stream) {
+        check_launch(stream_wait_event(stream, e.built), "bounded TMA map table");
+        c10::cuda::CUDACachingAllocator::recordStream(
+            e.table.storage().data_ptr(), at::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
+      }
+      return e.table;
+    }
   return at::Tensor();
+}
+
+// The kernels read rows in 16-byte pieces: a 16-byte aligned base and every
+// stride but the last a multiple of 8 elements (a slice of a wider buffer
+// often is not), checked before anything is launched.
+void check_rows_aligned(const at::Tensor& t, const char* name) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) ok = ok && (t.size(i) == 1 || t.stride(i) % 8 == 0);
+  if (!ok)
+    fail_value(std::string(name) + " must be 16-byte aligned: a base address on a 16-byte boundary and strides "
+               "that are multiples of 8 elements (a slice of a wider buffer often is not), got strides " +
+               list_str(t.strides()) + " at byte offset " +
+               num(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16)));
 }
 
 // kv holds rows of `width` columns (the key: d, or dv with per-head rope keys).
@@ -159,6 +195,7 @@ KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_t
     l.bt_stride = 0;
   }
   if (l.page_size <= 0) fail_value("kv must hold at least one row per page, got " + shape_str(kv));
+  check_rows_aligned(kv, "kv");
   return l;
 }
 
@@ -256,6 +293,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   if (s_q != 1 && q.stride(1) != h_q * q.stride(2))
     fail_value("q must have its (s_q, h_q) dimensions laid out densely (stride(1) == h_q * stride(2)), got strides " +
                list_str(q.strides()));
+  check_rows_aligned(q, "q");
   const KvLayout kl = check_kv(kv, block_table, bs, dev, elt, key_width);
   check_shape(seqlens, "seqlens", {bs}, "[bs]");
   check_contiguous(seqlens, "seqlens");
@@ -286,6 +324,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
     check_shape(*kpe, "kpe", {bs, -1, rope}, ("[bs, >= max_seq_len, " + num(rope) + "]").c_str());
     if (kpe->size(1) < kl.capacity)
       fail_value("kpe must have a row for every cache position (" + num(kl.capacity) + "), got " + shape_str(*kpe));
+    check_rows_aligned(*kpe, "kpe");
   }
   if (per_head) {
     const at::Tensor& kh = *kpe_heads;
@@ -375,6 +414,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
     rp.row_stride = kh.stride(1);
     rp.head_stride = kh.stride(2);
     rp.block_table_stride = kl.bt_stride;
+    rp.num_pages = block_table.has_value() ? kh.size(0) : bs;
     rp.out_stride = rs_stride;
     rp.q_col0 = static_cast<int>(dv);
     rp.page_size = static_cast<int>(kl.page_size);
@@ -427,7 +467,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   if (info.kind == AttnKernel::kHopper && !block_table.has_value() && !per_head) {
     const BoundedLayout bl{ap.kv,   ap.kv_row_stride,  ap.kv_page_stride,   ap.max_len, ap.bs, ap.dv + ap.rope,
                            ap.kpe,  ap.kpe_row_stride, ap.kpe_batch_stride, ap.kpe_rows, ap.rope};
-    const at::Tensor table = bounded_table_for(device, bl);
+    const at::Tensor table = capturing(stream) ? at::Tensor() : bounded_table_for(device, bl, stream);
     ap.bmaps = table.defined() ? table.data_ptr<uint8_t>() : nullptr;
     ap.bmaps_len = table.defined() ? ap.max_len : 0;
   }
@@ -508,20 +548,6 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   return {out, lse};
 }
 
-void copy_async(at::Tensor& dst, const at::Tensor& src) {
-  if (!dst.is_cuda()) fail_value("dst must be on a GPU, got " + dst.device().str());
-  check_device(src, "src", dst.device());
-  check_contiguous(dst, "dst");
-  check_contiguous(src, "src");
-  if (dst.scalar_type() != src.scalar_type() || dst.numel() != src.numel())
-    fail_value("copy_async: dst and src must have the same dtype and size, got " + shape_str(dst) + " and " +
-               shape_str(src));
-  c10::cuda::CUDAGuard guard(dst.device());
-  check_launch(memcpy_d2d_async(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.nbytes()),
-                                at::cuda::getCurrentCUDAStream().stream()),
-               "copy_async");
-}
-
 at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv) {
   if (!kv.is_cuda()) fail_value("attention_bounded_register: kv must be on a GPU, got " + kv.device().str());
   check_shape(kv, "kv", {-1, -1, -1}, "[bs, max_seq_len, d]");
@@ -547,27 +573,35 @@ at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<
   };
   if (!tma_rows(kv) || (kpe.has_value() && !tma_rows(*kpe))) return at::Tensor();
   const stream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
-  bool capturing = false;
-  check_launch(stream_capturing(stream, &capturing), "stream capture query");
+  if (capturing(stream)) return at::Tensor();  // (built, and used, outside captures only)
   const BoundedLayout bl{kv.data_ptr(),  kv.stride(1), kv.stride(0), kv.size(1), kv.size(0), dv + rope,
                          kpe.has_value() ? kpe->data_ptr() : nullptr,
                          kpe.has_value() ? kpe->stride(1) : 0, kpe.has_value() ? kpe->stride(0) : 0,
                          kpe.has_value() ? kpe->size(1) : 0, rope};
-  if (at::Tensor known = bounded_table_for(device, bl); known.defined()) return known;
-  if (capturing) return at::Tensor();  // (built outside a capture only)
+  if (at::Tensor known = bounded_table_for(device, bl, stream); known.defined()) return known;
   at::Tensor table = at::empty({(bl.rows + 1) * 256}, kv.options().dtype(at::kByte));
   check_launch(build_bounded_maps_sm90(bl, table.data_ptr(), stream), "bounded TMA map table");
-  // once per layout: the table is complete before any stream can use it
-  check_launch(stream_synchronize(stream), "bounded TMA map table");
+  event_t built{};
+  check_launch(event_create(&built), "bounded TMA map table");
+  if (const char* e = event_record(built, stream)) {
+    event_destroy(built);
+    fail(std::string("bounded TMA map table failed: ") + e);
+  }
   std::lock_guard<std::mutex> lock(bounded_mu);
-  bounded_tables.insert(bounded_tables.begin(), BoundedEntry{device, bl, table});
+  bounded_tables.insert(bounded_tables.begin(), BoundedEntry{device, bl, table, stream, built});
+  // the oldest goes: its memory returns to the allocator once the streams
+  // that used it are past those uses (recordStream above)
   if (bounded_tables.size() > kBoundedTables) {
-    // a launch on another stream may still read the oldest table: let the
-    // device drain before its memory can be reused (rare: a fifth layout)
-    check_launch(device_synchronize(), "bounded TMA map table");
+    event_destroy(bounded_tables.back().built);
     bounded_tables.pop_back();
   }
   return table;
+}
+
+void release_cached() {
+  std::lock_guard<std::mutex> lock(bounded_mu);
+  for (const BoundedEntry& e : bounded_tables) event_destroy(e.built);
+  bounded_tables.clear();
 }
 
 int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {

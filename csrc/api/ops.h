@@ -38,15 +38,15 @@ int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
 
 // Register the layout of a contiguous cache kv [bs, max_seq_len, d] (and of
 // its separate rope rows kpe, if any) for the Hopper attention: a table of
-// TMA maps with their row extent cut to every length is built once (2 x 128
-// bytes per row of kv, the stream synchronized once), and from then on every
-// attention call on exactly that layout loads a sequence's last, partial key
-// half by TMA as well (rows past the length arrive as zeros). Returns the
-// table, which a caller capturing graphs of such calls must keep alive with
-// them (the registry keeps the four newest layouts per process); an
-// undefined tensor (nothing done) where the call would not run the Hopper
-// kernel, where TMA cannot describe the rows (16-byte alignment), or while
-// the stream is capturing.
+// TMA maps with their row extent cut to every length is built once on the
+// current stream (2 x 128 bytes per row of kv, no host wait), and from then
+// on every attention call on exactly that layout, outside graph capture,
+// loads a sequence's last, partial key half by TMA as well (rows past the
+// length arrive as zeros). The registry keeps the four newest layouts per
+// process (release_cached drops them). Returns the table, or an undefined
+// tensor (nothing done) where the call would not run the Hopper kernel,
+// where TMA cannot describe the rows (16-byte alignment), or while the
+// stream is capturing.
 at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv);
 
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
@@ -57,10 +57,22 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
                  const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
                  const c10::optional<at::Tensor>& kpe_out);
 
-// dst <- src (same dtype and size, both contiguous, one GPU), one
-// cudaMemcpyAsync/hipMemcpyAsync on the current stream: the captured decode
-// step's input and output copies without a dispatcher round trip.
-void copy_async(at::Tensor& dst, const at::Tensor& src);
+// Drop the attention's bounded-map tables (their memory returns to the
+// allocator once the streams that used them are past those uses).
+void release_cached();
+
+// What decode_step's `want` asks for and its second result says ran.
+enum StepPath : int64_t { kStepDownOwn = 1, kStepQueryFused = 2, kStepWoLt = 4 };
+
+// One decode step of the layer (step.cpp): x [bs, 1, dim]; the task's five
+// weights; cache [bs, max_seq_len, kv_lora + rope] with the new row going to
+// position pos; cfg = [dim, heads, q_lora, kv_lora, nope, rope, v]; rope_cs
+// the RoPE table [>= max_seq_len, rope]. Checks every operand before writing
+// anything; returns (y [bs, 1, dim], the StepPath bits that ran).
+std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd,
+                                            const at::Tensor& w_qu, const at::Tensor& w_kvu, const at::Tensor& w_o,
+                                            const at::Tensor& cache, int64_t pos, const std::vector<int64_t>& cfg,
+                                            const at::Tensor& rope_cs, int64_t want);
 
 // [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
 //  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`

@@ -13,6 +13,7 @@
 #include "../kernels/projections/rope_append.h"
 #include "checks.h"
 #include "ops.h"
+#include "projection_ops.h"
 
 namespace mla::api {
 
@@ -125,6 +126,8 @@ Mat as_mat(const at::Tensor& t, const char* name) {
   return {t.size(0), t.size(1), t.size(2), t.stride(1), t.stride(0)};
 }
 
+}  // namespace
+
 GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& y0,
                        const c10::optional<at::Tensor>& w1, const c10::optional<at::Tensor>& y1,
                        const c10::optional<at::Tensor>& row_pos1, bool pdl) {
@@ -191,12 +194,7 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
   return p;
 }
 
-}  // namespace
-
-void gemm_nt(const at::Tensor& x, const at::Tensor& w0, at::Tensor& y0, const c10::optional<at::Tensor>& w1,
-             c10::optional<at::Tensor> y1, const c10::optional<at::Tensor>& row_pos1, bool pdl) {
-  GemmParams p = gemm_params(x, w0, y0, w1, y1, row_pos1, pdl);
-  c10::cuda::CUDAGuard guard(x.device());
+void run_gemm(GemmParams p, const at::Tensor& x) {
   GemmConfig c{};
   check_launch(gemm_sm90_config(p, &c), "gemm_nt launch");  // (the launcher's own errors, raised as its launch's)
   at::Tensor ws;  // the split-K partials (L2-resident; from the caching allocator, stream-ordered)
@@ -206,6 +204,13 @@ void gemm_nt(const at::Tensor& x, const at::Tensor& w0, at::Tensor& y0, const c1
     p.ws_bytes = c.ws_bytes;
   }
   check_launch(launch_gemm_sm90(p, c, at::cuda::getCurrentCUDAStream().stream()), "gemm_nt launch");
+}
+
+void gemm_nt(const at::Tensor& x, const at::Tensor& w0, at::Tensor& y0, const c10::optional<at::Tensor>& w1,
+             c10::optional<at::Tensor> y1, const c10::optional<at::Tensor>& row_pos1, bool pdl) {
+  const GemmParams p = gemm_params(x, w0, y0, w1, y1, row_pos1, pdl);
+  c10::cuda::CUDAGuard guard(x.device());
+  run_gemm(p, x);
 }
 
 // The launcher's choice for these operands: [bn, bm, splits, stages, blocks, smem, group, workspace bytes], or a
@@ -223,10 +228,11 @@ std::vector<int64_t> gemm_nt_config(const at::Tensor& x, const at::Tensor& w0, c
 // nope:] in one launch (query.h). With kv_new, seqlens, rope_cs and cache (and optionally kpe_out), also
 // rope_append's work in the same launch: q_pe is written rotated at position seqlens[b] - 1, the new cache rows
 // (and their rotated k_pe) are written.
-void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Tensor& w_uk, at::Tensor& q_abs,
-                 at::Tensor& q_pe, bool pdl, const c10::optional<at::Tensor>& kv_new,
-                 const c10::optional<at::Tensor>& seqlens, const c10::optional<at::Tensor>& rope_cs,
-                 const c10::optional<at::Tensor>& cache, const c10::optional<at::Tensor>& kpe_out) {
+QueryParams query_params(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Tensor& w_uk,
+                         const at::Tensor& q_abs, const at::Tensor& q_pe, bool pdl,
+                         const c10::optional<at::Tensor>& kv_new, const c10::optional<at::Tensor>& seqlens,
+                         const c10::optional<at::Tensor>& rope_cs, const c10::optional<at::Tensor>& cache,
+                         const c10::optional<at::Tensor>& kpe_out) {
   if (!q_lora.is_cuda()) fail_value("q_lora must be on a GPU, got " + q_lora.device().str());
   const at::Device dev = q_lora.device();
   const std::pair<const at::Tensor*, const char*> ts[] = {
@@ -279,7 +285,15 @@ void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Ten
     if (reinterpret_cast<uintptr_t>(p.ra.rope_cs) % 4 != 0)
       fail_value("query_fused: rope_cs needs a 4-byte aligned base");
   }
-  c10::cuda::CUDAGuard guard(dev);
+  return p;
+}
+
+void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Tensor& w_uk, at::Tensor& q_abs,
+                 at::Tensor& q_pe, bool pdl, const c10::optional<at::Tensor>& kv_new,
+                 const c10::optional<at::Tensor>& seqlens, const c10::optional<at::Tensor>& rope_cs,
+                 const c10::optional<at::Tensor>& cache, const c10::optional<at::Tensor>& kpe_out) {
+  const QueryParams p = query_params(q_lora, w_qu, w_uk, q_abs, q_pe, pdl, kv_new, seqlens, rope_cs, cache, kpe_out);
+  c10::cuda::CUDAGuard guard(q_lora.device());
   if (const char* e = query_sm90_check(p)) fail_value(e);
   check_launch(launch_query_sm90(p, at::cuda::getCurrentCUDAStream().stream()), "query_fused launch");
 }

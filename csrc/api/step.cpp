@@ -1,0 +1,171 @@
+// One decode step of the layer (custom_kernel's kernel path), checked and
+// enqueued from C++ in one call: down-projection, query (with its RoPE and
+// the cache append), attention over the cache with the keys' RoPE on the
+// fly, W_UV, wo. Nothing is kept between calls but the per-device kernel
+// facts and the attention's bounded-map tables (ops.cpp), so a call on new
+// weights or a new cache costs what a repeated one does, and a cache written
+// by anything else is read as it is. Which kernel runs each product is the
+// caller's choice (mla_decode/kernel_choice.py, `want`), taken where the
+// operands allow it; the return value says what ran.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mm.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "blas_lt.h"
+#include "checks.h"
+#include "ops.h"
+#include "projection_ops.h"
+
+namespace mla::api {
+namespace {
+
+bool aligned16(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i)
+    if (t.stride(i) % 8 != 0) return false;
+  return t.stride(-1) == 1;
+}
+
+void check_input(const at::Tensor& t, const char* name, const at::Device& dev, const std::vector<int64_t>& shape,
+                 const std::string& shape_text, bool contiguous) {
+  if (t.device() != dev) fail_value(std::string(name) + " must be on " + dev.str() + " (where x is), got " + t.device().str());
+  check_dtype(t, name, at::kBFloat16);
+  bool ok = t.dim() == static_cast<int64_t>(shape.size());
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.size(i) == shape[i];
+  if (!ok) fail_value(std::string(name) + " must have shape " + shape_text + " = " + list_str(shape) + ", got " + shape_str(t));
+  if (contiguous) {
+    if (!t.is_contiguous()) fail_value(std::string(name) + " must be contiguous, got strides " + list_str(t.strides()));
+  } else {
+    check_last_dim_contiguous(t, name);
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd,
+                                            const at::Tensor& w_qu, const at::Tensor& w_kvu, const at::Tensor& w_o,
+                                            const at::Tensor& cache, int64_t pos, const std::vector<int64_t>& cfg,
+                                            const at::Tensor& rope_cs, int64_t want) {
+  // ---- checks, in the order device, dtype, layout, shape; nothing is written before they pass
+  if (cfg.size() != 7) fail_value("decode_step: cfg must be [dim, heads, q_lora, kv_lora, nope, rope, v]");
+  const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
+  if (!x.is_cuda()) fail_value("x must be on a GPU for the kernels, got " + x.device().str());
+  const at::Device dev = x.device();
+  check_dtype(x, "x", at::kBFloat16);
+  if (x.dim() != 3 || x.size(1) != 1 || x.size(2) != dim || x.size(0) < 1)
+    fail_value("x must have shape [bs, 1, " + num(dim) + "], got " + shape_str(x));
+  if (!x.is_contiguous()) fail_value("x must be contiguous, got strides " + list_str(x.strides()));
+  const int64_t bs = x.size(0);
+  if (r != 512 || rope != 64 || nope < 1 || v < 1 || H < 1 || q_lora < 1)
+    fail_value("decode_step: the kernels take kv_lora_rank 512 and qk_rope_head_dim 64, got " + num(r) + " and " +
+               num(rope));
+  if (cache.dim() != 3)
+    fail_value("kv_cache.data must have shape [bs, max_seq_len, " + num(r + rope) + "], got " + shape_str(cache));
+  const int64_t max_len = cache.size(1);
+  check_input(cache, "kv_cache.data", dev, {bs, max_len, r + rope},
+              "[bs, max_seq_len, kv_lora_rank + rope]", false);
+  if (!aligned16(cache))
+    fail_value("kv_cache.data rows must be 16-byte aligned for the kernels (base address and strides multiples of 8 "
+               "elements), got strides " + list_str(cache.strides()) + " at byte offset " +
+               num(static_cast<int64_t>(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16)) +
+               " (a slice of a wider buffer?): pass a cache whose rows start on 16-byte boundaries");
+  if (pos < 0 || pos >= max_len)
+    fail_value("kv_cache is full or seq_len is out of range: seq_len " + num(pos) + ", max_seq_len " + num(max_len) +
+               "; nothing was written");
+  check_input(w_qd, "config.Q_proj_down_weight", dev, {q_lora, dim}, "[q_lora_rank, dim]", true);
+  check_input(w_kvd, "config.KV_proj_down_weight", dev, {r + rope, dim}, "[kv_lora_rank + rope, dim]", true);
+  check_input(w_qu, "config.Q_proj_up_weight", dev, {H * (nope + rope), q_lora},
+              "[n_heads * (nope + rope), q_lora_rank]", true);
+  check_input(w_kvu, "config.KV_proj_up_weight", dev, {H * (nope + v), r}, "[n_heads * (nope + v), kv_lora_rank]",
+              true);
+  check_input(w_o, "config.wo_weight", dev, {dim, H * v}, "[dim, n_heads * v]", true);
+  if (rope_cs.device() != dev || rope_cs.scalar_type() != at::kBFloat16 || rope_cs.dim() != 2 ||
+      rope_cs.size(0) < max_len || rope_cs.size(1) != rope || !rope_cs.is_contiguous())
+    fail_value("decode_step: rope_cs must be a contiguous bf16 [>= max_seq_len, rope] table on " + dev.str() +
+               ", got " + shape_str(rope_cs));
+
+  c10::cuda::CUDAGuard guard(dev);
+  // no autograd on the way (weights may be nn.Parameters): outputs are plain
+  // tensors (inference tensors under torch.inference_mode, as any op's)
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const auto opts = x.options();
+  const at::Tensor x2 = x.view({bs, dim});
+  const at::Tensor w_kv3 = w_kvu.view({H, nope + v, r});
+  const at::Tensor w_uk = w_kv3.narrow(1, 0, nope);               // [H, nope, r]
+  const at::Tensor w_uv_t = w_kv3.narrow(1, nope, v).transpose(1, 2);  // [H, r, v]
+
+  // ---- 1-2. down-projections: q_lora and the new latent row (launched
+  // first: the host prepares the rest while it runs)
+  int64_t ran = 0;
+  at::Tensor q_lora_t = at::empty({bs, q_lora}, opts);
+  at::Tensor kv_new = at::empty({bs, r + rope}, opts);
+  bool own_down = false;
+  if ((want & kStepDownOwn) && bs <= 256 && aligned16(x2) && aligned16(w_qd) && aligned16(w_kvd)) {
+    GemmConfig c{};
+    const GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
+    if (gemm_sm90_config(p, &c) == nullptr) {
+      run_gemm(p, x2);
+      own_down = true;
+      ran |= kStepDownOwn;
+    }
+  }
+  if (!own_down) {
+    at::mm_out(q_lora_t, x2, w_qd.t());
+    at::mm_out(kv_new, x2, w_kvd.t());
+  }
+  // ---- 3-4. query: up-projection, W_UK absorption, RoPE of q_pe, the cache append
+  at::Tensor qbuf = at::empty({H, bs, r + rope}, opts);  // the attention's query, head-major
+  at::Tensor q_abs = qbuf.narrow(2, 0, r);
+  at::Tensor q_rot = qbuf.narrow(2, r, rope).transpose(0, 1);  // [bs, H, rope]: q_pe rotated
+  const at::Tensor seqlens = at::full({bs}, pos + 1, opts.dtype(at::kInt));
+  const stream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
+  c10::optional<QueryParams> query;
+  if (want & kStepQueryFused) {
+    QueryParams p = query_params(q_lora_t, w_qu, w_uk, q_abs, q_rot, true, kv_new, seqlens, rope_cs, cache,
+                                 c10::nullopt);
+    if (query_sm90_check(p) == nullptr) query = p;
+  }
+  if (query) {
+    check_launch(launch_query_sm90(*query, stream), "fused query launch");
+    ran |= kStepQueryFused;
+  } else {
+    at::Tensor q = at::empty({bs, H, nope + rope}, opts);
+    at::Tensor q2 = q.view({bs, H * (nope + rope)});
+    at::mm_out(q2, q_lora_t, w_qu.t());
+    at::bmm_out(q_abs, q.narrow(2, 0, nope).transpose(0, 1), w_uk);
+    rope_append(q.narrow(2, nope, rope), kv_new, seqlens, rope_cs, q_rot, const_cast<at::Tensor&>(cache),
+                c10::nullopt);
+  }
+  // ---- 5. attention over the cache, the keys rotated on the fly; one part per
+  // sequence (no combine) where the planner could not split a batch of one length anyway
+  attention_bounded_register(cache, c10::nullopt, r);  // (once per cache layout; see ops.cpp)
+  at::Tensor o_lat = at::empty({bs, 1, H, r}, opts);
+  at::Tensor lse = at::empty({bs, H, 1}, opts.dtype(at::kFloat));
+  const bool split = bs < plan_target_parts(dev.index(), 1, H);
+  attention_out(qbuf.transpose(0, 1).unsqueeze(1), cache, seqlens, c10::nullopt, rope_cs,
+                1.0 / std::sqrt(static_cast<double>(nope + rope)), false, o_lat, lse, c10::nullopt, r, c10::nullopt,
+                c10::nullopt, split);
+  // ---- 6. W_UV per head, then wo
+  at::Tensor obuf = at::empty({bs, H, v}, opts);
+  at::Tensor obuf_t = obuf.transpose(0, 1);
+  at::bmm_out(obuf_t, o_lat.view({bs, H, r}).transpose(0, 1), w_uv_t);
+  at::Tensor y = at::empty({bs, 1, dim}, opts);
+  at::Tensor y2 = y.view({bs, dim});
+  const at::Tensor o2 = obuf.view({bs, H * v});
+  if ((want & kStepWoLt) && gemm_nt_lt(o2, w_o, y2))
+    ran |= kStepWoLt;
+  else
+    at::mm_out(y2, o2, w_o.t());
+  return {y, ran};
+}
+
+}  // namespace mla::api

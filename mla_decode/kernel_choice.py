@@ -1,0 +1,204 @@
+"""Which kernel runs each product, decided in one place.
+
+The environment is read once, at import (``reload_settings()`` reads it
+again, for tests and benchmarks that switch it):
+
+- ``MLA_DECODE_GEMM``: unset: the down-projection on our Hopper GEMM and the
+  query on our fused Hopper kernel where they run, every other product on
+  the vendor BLAS; ``vendor``: every product on the vendor BLAS; ``sm90``:
+  the stage functions of mla_decode.projections put every product they can
+  on the Hopper GEMM (a measurement switch; the decode step keeps its
+  default choice for W_UV and wo).
+- ``MLA_DECODE_BLASLT=0``: the output projection on PyTorch's default BLAS
+  instead of cuBLASLt.
+- The attention kernel (Hopper or portable) is chosen by the extension
+  (``MLA_DECODE_ATTN_KERNEL=portable|hopper`` overrides it there);
+  ``attention_kernel(device)`` says which.
+
+Every ``*_path`` function returns "sm90" (ours) or "vendor: <why>", so a
+slower path is never taken silently. docs/projections.md has the
+measurements behind the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import _ext
+
+__all__ = ["Settings", "settings", "reload_settings", "hopper", "sm_count", "attention_kernel", "gemm_path",
+           "query_path", "blas_lt_path", "step_want", "STEP_DOWN_OWN", "STEP_QUERY_FUSED", "STEP_WO_LT",
+           "describe_step_paths"]
+
+# the decode step's paths (mla_decode._C.decode_step's `want` and its report)
+STEP_DOWN_OWN, STEP_QUERY_FUSED, STEP_WO_LT = 1, 2, 4
+
+
+@dataclass(frozen=True)
+class Settings:
+    gemm: str  # "", "vendor" or "sm90"
+    blaslt: bool
+
+    @staticmethod
+    def from_env() -> "Settings":
+        gemm = os.environ.get("MLA_DECODE_GEMM", "")
+        if gemm not in ("", "vendor", "sm90"):
+            raise ValueError(f"MLA_DECODE_GEMM must be unset, 'vendor' or 'sm90', got {gemm!r}")
+        return Settings(gemm=gemm, blaslt=os.environ.get("MLA_DECODE_BLASLT") != "0")
+
+
+_settings = Settings.from_env()
+_lock = threading.Lock()
+_device_facts = {}  # device index -> (hopper kernels run there, SM count)
+_want = {}          # (settings, device index, sizes) -> the step's want bits
+
+
+def settings() -> Settings:
+    return _settings
+
+
+def reload_settings() -> Settings:
+    """Read the environment again (the choices made since are recomputed)."""
+    global _settings
+    with _lock:
+        _settings = Settings.from_env()
+        _want.clear()
+    return _settings
+
+
+def _index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _facts(device):
+    idx = _index(device)
+    f = _device_facts.get(idx)
+    if f is None:
+        info = _ext.attention_info(idx)
+        f = (info.kernel == "hopper", info.sms)
+        with _lock:
+            _device_facts[idx] = f
+    return f
+
+
+def hopper(device) -> bool:
+    """True where our Hopper kernels run: an sm_90a build on a compute 9.x GPU."""
+    try:
+        return _facts(device)[0]
+    except RuntimeError:  # the kernels cannot run on this device: the vendor paths
+        return False
+
+
+def sm_count(device) -> int:
+    return _facts(device)[1]
+
+
+def attention_kernel(device) -> str:
+    """"hopper" or "portable": the attention kernel the extension runs on device."""
+    return _ext.attention_info(_index(device)).kernel
+
+
+def _aligned(t) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def _hopper_unusable(device, tensors, what):
+    """Why our Hopper kernel `what` cannot run on these bf16 operands here
+    ("vendor: ..."), or None."""
+    if not _ext.kernels_usable(device):
+        return "vendor: " + _ext.backend(device)
+    if not hopper(device):
+        return f"vendor: the {what} is Hopper-only (sm_90a build on a compute 9.x GPU)"
+    if any(t.dtype != torch.bfloat16 for t in tensors):
+        return "vendor: bf16 only"
+    return None
+
+
+def gemm_path(x, w, y=None, own=False) -> str:
+    """"sm90" when mla_decode.projections.gemm runs x w^T on our Hopper GEMM,
+    else "vendor: why". ``own``: a product that takes ours by default (the
+    down stage); the others only with MLA_DECODE_GEMM=sm90."""
+    mode = _settings.gemm
+    if mode == "vendor":
+        return "vendor: MLA_DECODE_GEMM=vendor"
+    if mode != "sm90" and not own:
+        return "vendor: the default for this product (MLA_DECODE_GEMM=sm90 puts every product on the Hopper GEMM)"
+    why = _hopper_unusable(x.device, (x, w), "skinny GEMM")
+    if why is not None:
+        return why
+    m, n = x.shape[-2], w.shape[-2]
+    if not 1 <= m <= 256:
+        return f"vendor: {m} rows of x (the Hopper GEMM takes 1 to 256)"
+    if n < 64 or n % 8:
+        return f"vendor: {n} output columns (the Hopper GEMM takes multiples of 8, at least 64)"
+    if not all(_aligned(t) for t in (x, w) + ((y,) if y is not None else ())):
+        return "vendor: operands not 16-byte aligned (base and strides)"
+    return "sm90"
+
+
+def _query_sizes_unusable(device, bs, heads, nope, rope, r):
+    if (nope, rope) != (128, 64) or r % 128:
+        return f"vendor: heads of {nope} nope + {rope} rope columns, r {r} (the fused query takes 128 + 64, r a multiple of 128)"
+    if not 1 <= bs <= 128:
+        return f"vendor: {bs} rows of q_lora (the fused query takes 1 to 128)"
+    sms = sm_count(device)
+    if 4 * heads < 3 * sms:
+        return f"vendor: {heads} heads on {sms} SMs (the fused query runs one block per head: at least 3/4 of the SMs)"
+    return None
+
+
+def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
+    """"sm90" when the query stage runs as one launch of our fused Hopper
+    query (q_lora W_qu^T and the W_UK absorption per head), else "vendor:
+    why" (two vendor products). Default where it runs; MLA_DECODE_GEMM=vendor
+    turns it off."""
+    if _settings.gemm == "vendor":
+        return "vendor: MLA_DECODE_GEMM=vendor"
+    why = _hopper_unusable(q_lora.device, (q_lora, w_qu, w_uk, qbuf), "fused query")
+    if why is not None:
+        return why
+    H, nope, r = w_uk.shape
+    why = _query_sizes_unusable(q_lora.device, q_lora.shape[0], H, nope, w_qu.shape[0] // H - nope, r)
+    if why is not None:
+        return why
+    if not all(_aligned(t) for t in (q_lora, w_qu, w_uk, qbuf)):
+        return "vendor: operands not 16-byte aligned (bases and strides of q_lora, the weights and qbuf)"
+    return "sm90"
+
+
+def blas_lt_path(x) -> bool:
+    """True when the output projection asks for cuBLASLt: a CUDA build of
+    PyTorch, x on the GPU, MLA_DECODE_BLASLT not 0."""
+    return x.is_cuda and torch.version.cuda is not None and _settings.blaslt
+
+
+def step_want(device, dims) -> int:
+    """The decode step's wished paths (STEP_* bits) for these sizes on device;
+    the step takes each where the operands also allow it (alignment) and
+    reports what ran (MLADecoder.last_paths)."""
+    key = (_settings, device, dims)
+    want = _want.get(key)
+    if want is None:
+        want = 0
+        if _settings.gemm != "vendor" and hopper(device):
+            if 1 <= dims.bs <= 256 and min(dims.q_lora, dims.kv_lora + dims.rope) >= 64 \
+                    and dims.q_lora % 8 == 0 and (dims.kv_lora + dims.rope) % 8 == 0:
+                want |= STEP_DOWN_OWN
+            if _query_sizes_unusable(device, dims.bs, dims.heads, dims.nope, dims.rope, dims.kv_lora) is None:
+                want |= STEP_QUERY_FUSED
+        if torch.version.cuda is not None and _settings.blaslt:
+            want |= STEP_WO_LT
+        _want[key] = want
+    return want
+
+
+def describe_step_paths(bits: int) -> dict:
+    """The decode step's paths as names (MLADecoder.last_paths)."""
+    return dict(down="sm90 GEMM" if bits & STEP_DOWN_OWN else "vendor BLAS",
+                query="fused sm90 query" if bits & STEP_QUERY_FUSED else "vendor BLAS + rope_append",
+                wo="cuBLASLt" if bits & STEP_WO_LT else "vendor BLAS (PyTorch default)")

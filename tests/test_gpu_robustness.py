@@ -1,0 +1,301 @@
+"""The decode step and the attention op as inference code calls them: weights
+that are nn.Parameters, torch.inference_mode, a GPU other than the current
+one, several threads, caches written by other kernels, unaligned views,
+bad block ids, and a long randomized soak with device memory flat."""
+
+import dataclasses
+import random
+import threading
+
+import pytest
+import torch
+
+import mla_decode
+from mla_decode.reference import generate_input, ref_kernel
+
+from conftest import assert_task_rule, needs_gpu
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+NAMES = ("Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")
+
+
+def _inputs(bs=8, prefill=100, seed=0, device="cuda", **kw):
+    return generate_input(batch_size=bs, prefill=prefill, seed=seed, device=device, **kw)
+
+
+def _check_against_reference(config, x, kv, run):
+    ref = kv.clone()
+    y, data = run(config, x, kv)
+    y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
+    assert_task_rule(y, y_ref, "y")
+    assert_task_rule(data, data_ref, "cache")
+    return y
+
+
+def test_parameter_weights():
+    config, x, kv = _inputs(seed=1)
+    params = {n: torch.nn.Parameter(getattr(config, n).clone()) for n in NAMES}
+    cfg = dataclasses.replace(config, **params)
+    y = _check_against_reference(cfg, x, kv, mla_decode.MLADecoder(backend="kernels"))
+    assert not y.requires_grad
+    y_t, _ = mla_decode.MLADecoder(backend="torch")(cfg, x, kv.clone())  # the fallback too
+    assert not y_t.requires_grad
+
+
+def test_inference_mode():
+    with torch.inference_mode():
+        config, x, kv = _inputs(seed=2)
+        _check_against_reference(config, x, kv, mla_decode.MLADecoder(backend="kernels"))
+        y, _ = mla_decode.custom_kernel((config, x, kv))
+        assert y.is_inference()
+    # inference tensors made elsewhere, called outside inference mode
+    config, x, kv = _inputs(seed=3)
+    with torch.inference_mode():
+        kv.data = kv.data.clone()
+    _check_against_reference(config, x, kv, mla_decode.MLADecoder(backend="kernels"))
+
+
+@two_gpus
+def test_second_gpu_while_the_first_is_current():
+    torch.cuda.set_device(0)
+    config, x, kv = _inputs(seed=4, device="cuda:1")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    for _ in range(3):
+        y = _check_against_reference(config, x, kv, dec)
+        assert y.device == torch.device("cuda:1")
+    assert torch.cuda.current_device() == 0
+
+
+def test_two_threads_two_decoders_and_a_busy_third():
+    """Two threads decode on their own caches and streams while a third keeps
+    the GPU busy with its own work; every y equals a single-threaded run."""
+    inputs = [_inputs(seed=10 + i, prefill=300) for i in range(2)]
+    expect = []
+    for config, x, kv in inputs:
+        c = kv.clone()
+        d = mla_decode.MLADecoder(backend="kernels")
+        expect.append([d(config, x, c)[0].clone() for _ in range(20)])
+    torch.cuda.synchronize()
+    errors, stop = [], threading.Event()
+
+    def decode(i):
+        try:
+            config, x, kv = inputs[i]
+            d = mla_decode.MLADecoder(backend="kernels")
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for k in range(20):
+                    y, _ = d(config, x, kv)
+                    s.synchronize()
+                    if not torch.equal(y, expect[i][k]):
+                        errors.append(f"thread {i} step {k}: y differs")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    def busy():
+        a = torch.randn(2048, 2048, device="cuda")
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            while not stop.is_set():
+                a = (a @ a).tanh_()
+                s.synchronize()
+
+    b = threading.Thread(target=busy)
+    b.start()
+    ts = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    stop.set()
+    b.join()
+    assert not errors, errors
+
+
+def test_one_decoder_shared_by_threads():
+    """custom_kernel's one decoder called from several threads at once, each
+    on its own cache."""
+    inputs = [_inputs(bs=4, seed=20 + i, prefill=64 + 50 * i) for i in range(4)]
+    copies = [kv.clone() for _, _, kv in inputs]
+    errors = []
+
+    def run(i):
+        try:
+            config, x, kv = inputs[i]
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(10):
+                    mla_decode.custom_kernel((config, x, kv))
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    dec = mla_decode.MLADecoder(backend="kernels")
+    for (config, x, kv), c in zip(inputs, copies):
+        for _ in range(10):
+            dec(config, x, c)
+        assert torch.equal(kv.data, c.data)
+
+
+def test_cache_written_by_another_kernel_between_steps():
+    """A new request reusing a slot: another kernel (a Triton-like raw write,
+    here a graph replay) replaces a sequence's rows; the step reads them."""
+    config, x, kv = _inputs(seed=30, prefill=200)
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv)
+    fresh = torch.randn(1, kv.data.shape[1], 576, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kv.data[3:4].copy_(fresh)
+    g.replay()
+    _check_against_reference(config, x, kv, dec)
+
+
+def test_attention_op_conditions():
+    """mla_attention under inference_mode, on a second stream and with an
+    unaligned kv or q view (a clear error, nothing launched)."""
+    bs, L, h = 4, 300, 16
+    kv = torch.randn(bs, 512, 576, device="cuda").to(torch.bfloat16)
+    q = torch.randn(bs, 1, h, 576, device="cuda").to(torch.bfloat16)
+    lens = torch.full((bs,), L, dtype=torch.int32, device="cuda")
+    ref, _ = mla_decode.attention_reference(q, kv, lens, 0.1)
+    with torch.inference_mode():
+        out, _ = mla_decode.mla_attention(q, kv, lens, 0.1)
+    assert_task_rule(out, ref.to(torch.bfloat16), "inference_mode")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        out2, _ = mla_decode.mla_attention(q, kv, lens, 0.1)
+        torch.cuda.current_stream().synchronize()
+    assert torch.equal(out, out2)
+    wide = torch.zeros(bs, 512, 577, device="cuda", dtype=torch.bfloat16)
+    wide[..., 1:] = kv
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mla_decode.mla_attention(q, wide[..., 1:], lens, 0.1)
+    wq = torch.zeros(bs, 1, h, 577, device="cuda", dtype=torch.bfloat16)
+    wq[..., 1:] = q
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mla_decode.mla_attention(wq[..., 1:], kv, lens, 0.1)
+    torch.cuda.synchronize()  # the context is alive
+
+
+@two_gpus
+def test_attention_op_on_the_second_gpu():
+    torch.cuda.set_device(0)
+    kv = torch.randn(2, 256, 576, device="cuda:1").to(torch.bfloat16)
+    q = torch.randn(2, 1, 16, 576, device="cuda:1").to(torch.bfloat16)
+    lens = torch.tensor([100, 256], dtype=torch.int32, device="cuda:1")
+    out, _ = mla_decode.mla_attention(q, kv, lens, 0.1)
+    ref, _ = mla_decode.attention_reference(q, kv, lens, 0.1)
+    assert_task_rule(out, ref.to(torch.bfloat16), "cuda:1")
+
+
+def test_serving_block_ids_out_of_range():
+    """An id outside k_cache in a used block-table slot never reads outside
+    k_cache (it reads block 0 in its place): the context lives, the other
+    sequences are exact; the checked mode raises before launching."""
+    b, page, h = 3, 64, 16
+    k_cache = torch.randn(12, page, 1, 576, device="cuda").to(torch.bfloat16)
+    table = torch.arange(12, dtype=torch.int32, device="cuda").view(3, 4)
+    lens = torch.tensor([200, 256, 100], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, h, 576, device="cuda").to(torch.bfloat16)
+    meta, splits = mla_decode.get_mla_metadata(lens, h, 1)
+    good, _ = mla_decode.flash_mla_with_kvcache(q, k_cache, table, lens, 512, meta, splits)
+    bad_table = table.clone()
+    bad_table[1, 2] = 10 ** 6
+    bad_table[2, 0] = -5
+    out, lse = mla_decode.flash_mla_with_kvcache(q, k_cache, bad_table, lens, 512, meta, splits)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], good[0])
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\] = 1000000 is outside"):
+        mla_decode.flash_mla_with_kvcache(q, k_cache, bad_table, lens, 512, meta, splits, check_block_table=True)
+    torch.cuda.synchronize()
+
+
+def test_release_cached():
+    config, x, kv = _inputs(seed=40)
+    mla_decode.custom_kernel((config, x, kv))
+    mla_decode.release_cached()
+    _check_against_reference(config, x, kv, mla_decode.MLADecoder(backend="kernels"))
+
+
+def test_soak_mixed_calls_memory_flat():
+    """2,000+ calls mixing batch sizes, lengths, head counts (full and a TP
+    rank's), several decoders and caches, two GPUs where present, calls
+    inside a user's CUDA graph, in-place weight updates and foreign cache
+    writes; every call's y and cache are compared with a second run of the
+    same call on copies (bitwise) and, every 50th, with the reference."""
+    from mla_decode.tp import shard_config
+
+    rng = random.Random(0)
+    devices = [f"cuda:{i}" for i in range(min(2, torch.cuda.device_count()))]
+    setups = []
+    for i, dev in enumerate(devices):
+        config, _, _ = generate_input(batch_size=1, prefill=0, max_seq_len=8, seed=100 + i, device=dev)
+        setups.append((dev, config))
+        setups.append((dev, shard_config(config, 1, 2)))
+    decs = [mla_decode.MLADecoder(backend="kernels") for _ in range(3)]
+    caches = []
+    for k in range(6):
+        dev, config = setups[k % len(setups)]
+        bs = rng.choice([1, 3, 8, 32])
+        _, _, kv = generate_input(batch_size=bs, prefill=rng.randrange(0, 400), max_seq_len=1024, seed=200 + k,
+                                  device=dev, n_heads=config.n_heads)
+        caches.append((dev, config, kv, kv.clone()))
+    for dev in devices:
+        torch.cuda.synchronize(dev)
+    seen = []
+    calls = 0
+    g = None
+
+    def allocated():  # (every device together: the map tables are per process, built where a cache lives)
+        torch.cuda.synchronize()
+        return sum(torch.cuda.memory_allocated(d) for d in devices)
+
+    for it in range(2100):
+        dev, config, kv, twin = caches[rng.randrange(len(caches))]
+        if kv.seq_len >= kv.data.shape[1] - 1:  # full: start the sequence again
+            kv.seq_len = twin.seq_len = rng.randrange(0, 50)
+        bs = kv.data.shape[0]
+        x = torch.randn(bs, 1, config.dim, device=dev).to(torch.bfloat16)
+        if it % 97 == 0:  # an in-place weight update
+            config.wo_weight.mul_(1.0 + 0.01 * rng.random())
+        if it % 89 == 0:  # a foreign write to both copies
+            rows = torch.randn(bs, 16, 576, device=dev).to(torch.bfloat16)
+            at = rng.randrange(0, max(1, kv.seq_len - 16))
+            kv.data[:, at:at + 16] = rows
+            twin.data[:, at:at + 16] = rows
+            del rows
+        dec = decs[rng.randrange(len(decs))]
+        ref = kv.clone() if it % 50 == 0 else None
+        with torch.cuda.device(dev):
+            if it % 41 == 40:  # inside a user's graph, replayed once
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    y, _ = dec(config, x, kv)
+                g.replay()
+            else:
+                y, _ = dec(config, x, kv)
+            y2, _ = decs[0](config, x, twin)
+        calls += 1
+        assert torch.equal(y, y2), f"call {it}: y differs from a second run"
+        assert torch.equal(kv.data, twin.data), f"call {it}: caches differ"
+        if ref is not None:
+            y_ref, _ = ref_kernel((config, x, ref), batch_chunk=8)
+            assert_task_rule(y, y_ref, f"call {it}: y")
+            del y_ref, ref, _  # (the reference returns its cache copy's data)
+        del y, y2, x
+        if it in (200, 700, 1400):
+            g = None
+            seen.append(allocated())
+    g = None
+    assert calls >= 2000
+    seen.append(allocated())
+    assert len(set(seen)) == 1, f"device memory moved (bytes allocated after calls 200, 700, 1400, 2100): {seen}"
