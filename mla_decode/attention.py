@@ -52,6 +52,7 @@ def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:
     and output and saves the combine's launch (the decode step does this)."""
     from ._ext import module
 
+    require_kernels(device)
     device = torch.device(device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return bs < module().plan_target_parts(idx, s_q, h_q)
