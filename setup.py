@@ -123,7 +123,7 @@ else:
 
 setup(
     name="mla_decode",
-    version="0.1.0",
+    version="0.2.0",
     description="DeepSeek-V3/R1 MLA decode kernels for AMD MI300X (HIP) and NVIDIA Hopper (CUDA)",
     license="MIT",
     packages=find_packages(include=["mla_decode", "mla_decode.*"]),

@@ -71,7 +71,7 @@ def time_events(fn, iters=50, warmup=5, batch=1):
     between one event pair (median over `iters` such pairs, divided by
     batch): the launch queue stays full and the time is the device's per
     call (kernels and the gaps between them), the way a kernel's time is
-    compared (FlashMLA's numbers in the README are kernel times)."""
+    compared (FlashMLA's own benchmark reports kernel times)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

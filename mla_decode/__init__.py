@@ -11,7 +11,7 @@ from .decoder import Dims, MLADecoder, MLAInputError, custom_kernel, release_cac
 from .serving import flash_mla_with_kvcache, get_mla_metadata
 from . import reference, roofline
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "backend", "kernels_built", "kernels_usable", "custom_kernel", "MLADecoder", "MLAInputError", "Dims", "release_cached",

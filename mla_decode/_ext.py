@@ -50,10 +50,32 @@ def kernels_built() -> bool:
     return _C is not None
 
 
+_USABLE = {}  # device index -> whether this build carries code for that GPU
+
+
+def _build_runs_on(idx: int) -> bool:
+    """Whether this build's architectures include the GPU's: sm_XY(a) for a
+    compute X.Y NVIDIA GPU, gfx... for an AMD one."""
+    archs = [a.strip() for a in str(_C.archs).split(";") if a.strip()]
+    if torch.version.hip is not None:
+        name = torch.cuda.get_device_properties(idx).gcnArchName.split(":")[0]
+        return name in archs
+    major, minor = torch.cuda.get_device_capability(idx)
+    return any(a.rstrip("a") == f"sm_{major}{minor}" for a in archs)
+
+
 def kernels_usable(device="cuda") -> bool:
-    """True when the compiled kernels can run on ``device`` (default: the GPU)."""
+    """True when the compiled kernels can run on ``device`` (default: the
+    current GPU): the extension imports, a GPU is visible, and the build
+    carries code for that GPU's architecture."""
     device = torch.device(device)
-    return _C is not None and device.type == "cuda" and torch.cuda.is_available()
+    if _C is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _USABLE.get(idx)
+    if ok is None:
+        ok = _USABLE[idx] = _build_runs_on(idx)
+    return ok
 
 
 def backend(device=None) -> str:
@@ -70,6 +92,10 @@ def backend(device=None) -> str:
         return f"torch-fallback (no GPU visible; kernels built for {_C.platform} {_C.archs})"
     name = torch.cuda.get_device_name(device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
+    if not kernels_usable(device):
+        cap = ".".join(map(str, torch.cuda.get_device_capability(idx))) if torch.version.hip is None else ""
+        return (f"torch-fallback (the kernels are built for {_C.archs}, not for {name}"
+                + (f", compute {cap}" if cap else "") + ")")
     try:
         kind = attention_info(idx).kernel
         attn = "hopper wgmma attention" if kind == "hopper" else "portable tile-MMA attention"

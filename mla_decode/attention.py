@@ -3,8 +3,8 @@
 Every query row attends over one shared latent row per position,
 key = [c_t | k_pe_t] (d = dv + rope wide; DeepSeek: 576), value = c_t (dv
 wide; DeepSeek: 512). Or, with per-head rope keys (MHA2MLA), key =
-[c_t | k_pe_{t,h}] with c_t shared and k_pe per query head. See the README's
-"Attention op" section for the contract.
+[c_t | k_pe_{t,h}] with c_t shared and k_pe per query head. mla_attention's
+docstring is the contract; docs/attention.md describes the kernel.
 """
 
 from __future__ import annotations

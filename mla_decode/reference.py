@@ -1,4 +1,4 @@
-"""The oracle: the task's decode step, written literally (README, "What it computes").
+"""The oracle: the task's decode step, written literally (docs/architecture.md, "What it computes").
 
 Non-absorbed, every intermediate in bf16 exactly where the task has it:
 projections are bf16 matrix products (fp32 accumulation, bf16 result), RoPE

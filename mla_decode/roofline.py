@@ -1,4 +1,4 @@
-"""The speed-of-light model (README, Contract) and the device peaks, in one table."""
+"""The speed-of-light model (docs/architecture.md) and the device peaks, in one table."""
 
 from __future__ import annotations
 

@@ -28,9 +28,9 @@ Differences a caller should know:
 - Supported: bf16 and fp16 (q and k_cache of one dtype; out in it, lse
   fp32), one KV head, head_dim_v (dv) in {64, 128, 256, 512} and head_dim
   d = dv + rope with rope in {8, 16, 32, 64} (DeepSeek: 576 = 512 + 64).
-  On sm_90 builds, dv 128, 256 and 512 with shared rope keys run the
-  Hopper (wgmma) kernel; dv 64 and per-head rope keys run the portable
-  tile-MMA kernel (mma.sync / MFMA), as every shape does on AMD.
+  On sm_90a builds on Hopper GPUs every dv, with shared or per-head rope
+  keys, runs the Hopper (wgmma) kernel (dv 64 on its dv 128 instance); the
+  portable tile-MMA kernel (mma.sync / MFMA) runs every shape on AMD.
 - Per-head rope keys (MHA2MLA; beyond FlashMLA): pass
   ``kpe_cache=[num_blocks, page_block_size, h_q, rope]`` (the same pages as
   k_cache, which then holds the dv latent columns alone). The score of head

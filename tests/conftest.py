@@ -6,7 +6,7 @@ import torch
 import mla_decode
 from mla_decode.reference import generate_input
 
-# the task's acceptance rule (README, Contract): |out - ref| <= ATOL + RTOL * |ref|, NaN/inf positions identical
+# the task's acceptance rule (docs/architecture.md): |out - ref| <= ATOL + RTOL * |ref|, NaN/inf positions identical
 ATOL, RTOL = 8e-3, 2e-2
 
 GPU_REASON = f"needs a GPU with the compiled kernels: {mla_decode.backend('cuda')}"

@@ -1,5 +1,5 @@
 // The query's RoPE and the cache append of one decode step, in one launch
-// (pipeline steps 1 and 3 of the README: the down-projection's new latent
+// (pipeline steps 1 and 3 of docs/architecture.md: the down-projection's new latent
 // row goes into the cache at its position, q_pe is rotated at the same
 // position into the attention's query buffer). Positions come from the
 // device (seqlens[b] - 1), so a captured graph serves every step.
