@@ -276,7 +276,7 @@ def test_soak_mixed_calls_memory_flat():
         dec = decs[rng.randrange(len(decs))]
         ref = kv.clone() if it % 50 == 0 else None
         with torch.cuda.device(dev):
-            if it % 41 == 40 and dev in warm:  # inside a user's graph, replayed once (after an eager call there,
+            if it % 41 == 40 and (dev, id(config)) in warm:  # inside a user's graph, replayed once (after an eager call there,
                 # as PyTorch asks before capturing: cuBLAS sets itself up on a device's first call)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
@@ -286,7 +286,7 @@ def test_soak_mixed_calls_memory_flat():
             else:
                 y, _ = dec(config, x, kv)
             y2, _ = decs[0](config, x, twin)
-        warm.add(dev)
+        warm.add((dev, id(config)))
         calls += 1
         assert torch.equal(y, y2), f"call {it}: y differs from a second run"
         assert torch.equal(kv.data, twin.data), f"call {it}: caches differ"

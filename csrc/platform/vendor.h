@@ -86,31 +86,15 @@ inline const char* stream_capturing(stream_t stream, bool* capturing) {
 }
 
 // Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA).
-// The attribute belongs to the device: each thread sets it once per
-// (device, kernel, size) it launches with, not on every launch (a runtime
-// call on every launch was host time on the step's path). Returns an error
-// string or nullptr.
+// Returns an error string or nullptr.
 template <typename Kernel>
 inline const char* set_max_dynamic_smem(Kernel kernel, int bytes) {
-  struct Done {
-    int device;
-    const void* fn;
-    int bytes;
-  };
-  thread_local Done done[32];
-  thread_local int n = 0;
-  int device = 0;
-  if (const char* e = error_or_null(MLA_RT(GetDevice)(&device))) return e;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  for (int i = 0; i < n; ++i)
-    if (done[i].device == device && done[i].fn == fn && done[i].bytes == bytes) return nullptr;
 #if MLA_AMD
-  const char* e = error_or_null(hipFuncSetAttribute(fn, hipFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return error_or_null(
+      hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #else
-  const char* e = error_or_null(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return error_or_null(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #endif
-  if (e == nullptr && n < 32) done[n++] = Done{device, fn, bytes};
-  return e;
 }
 
 #if MLA_NVIDIA
