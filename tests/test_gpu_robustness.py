@@ -280,7 +280,7 @@ def test_soak_mixed_calls_memory_flat():
                 # as PyTorch asks before capturing: cuBLAS sets itself up on a device's first call)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
+                with torch.cuda.graph(g, stream=torch.cuda.Stream()):  # (a capture stream on this device)
                     y, _ = dec(config, x, kv)
                 g.replay()
             else:
