@@ -254,6 +254,7 @@ def test_soak_mixed_calls_memory_flat():
     calls = 0
     g = None
     warm = set()
+    capture_streams = {dev: torch.cuda.Stream(device=dev) for dev in devices}  # (PyTorch keeps a BLAS workspace per stream)
 
     def allocated():  # (every device together: the map tables are per process, built where a cache lives)
         torch.cuda.synchronize()
@@ -280,7 +281,7 @@ def test_soak_mixed_calls_memory_flat():
                 # as PyTorch asks before capturing: cuBLAS sets itself up on a device's first call)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=torch.cuda.Stream()):  # (a capture stream on this device)
+                with torch.cuda.graph(g, stream=capture_streams[dev]):  # (one capture stream per device)
                     y, _ = dec(config, x, kv)
                 g.replay()
             else:
