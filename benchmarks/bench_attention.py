@@ -26,7 +26,7 @@ import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
 from common import add_timing_args, dump_json, gpu_setup, rates, time_events  # noqa: E402
 
-FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # FlashMLA's kernel, measured on an H200 by this project (README, Contract)
+FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # FlashMLA's kernel on an H200 (docs/attention.md)
 
 
 def main():
@@ -53,8 +53,8 @@ def main():
         cs = mla_decode.rope_table(L, device="cuda")
         out = torch.empty(args.bs, 1, args.heads, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(args.bs, args.heads, 1, device="cuda")
-        # rope: "yes" rotates keys on the fly; "kpe" reads a separate rotated copy of the rope
-        # columns (what the decoder does); "no" uses the keys as stored (FlashMLA's setting)
+        # rope: "yes" rotates keys on the fly (what the decode step does); "kpe" reads a separate
+        # rotated copy of the rope columns; "no" uses the keys as stored (FlashMLA's setting)
         kpes = [torch.randn(args.bs, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
         plan = torch.ops.mla_decode.plan(seqlens, 1, args.heads, L)
         for rope in ("yes", "kpe", "no"):
@@ -84,8 +84,8 @@ def main():
               f"{r.get('floor_us', float('nan')):>9.1f} {r.get('pct_floor', float('nan')):>7.1f} "
               f"{r.get('vs_flashmla', float('nan')):>9.2f} {r['us_plan_once']:>9.1f} "
               f"{r.get('vs_flashmla_plan_once', float('nan')):>9.2f}")
-    print("(xFlashMLA: FlashMLA's H200 time (README, Contract) over ours; >= 0.80 is the target, rope=no is its setting;"
-          " rope=kpe is the decode step's path. plan1: the split planned once for the lengths and passed as plan=,"
+    print("(xFlashMLA: FlashMLA's H200 time (docs/attention.md) over ours; rope=no is its setting;"
+          " rope=yes (keys rotated on the fly) is the decode step's path. plan1: the split planned once for the lengths and passed as plan=,"
           " as FlashMLA's benchmark reuses its get_mla_metadata output; us: each call plans its own)")
     dump_json(args.json, name, rows=rows)
     return 0
