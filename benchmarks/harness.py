@@ -61,43 +61,13 @@ def warm_up(kernel, make_inputs, seconds=0.2):
         _sync()
 
 
-def benchmark_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=10e9, rel_err=0.01):
-    """One checked call, then the timed loop on the same inputs. ``check(data
-    before the call, output)`` returns an error text or None. Returns (Stats,
-    error or None)."""
-    config, x, kv = make_inputs()
-    kv_copy = kv.clone()
-    out = kernel((config, x, kv))
-    err = check((config, x, kv_copy), out)
-    del kv_copy
-    if err:
-        return None, err
+def _loop(one_call, max_repeats, max_time_ns, rel_err):
+    """The harness's stopping rule around one_call() -> (ns, error or None):
+    at most max_repeats calls; after 3, stop once the standard error is
+    under rel_err of the mean or the calls add up to max_time_ns."""
     durations = []
     for i in range(max_repeats):
-        dt, out = _timed(kernel, (config, x, kv))
-        del out
-        durations.append(dt)
-        if i > 1:
-            s = stats(durations)
-            if s.err / s.mean < rel_err or s.mean * 1e3 * s.runs > max_time_ns:
-                break
-    return stats(durations), None
-
-
-def leaderboard_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=30e9, rel_err=0.01):
-    """Fresh inputs (new weights, new cache) and a check on every timed call."""
-    config, x, kv = make_inputs()
-    kv_copy = kv.clone()
-    err = check((config, x, kv_copy), kernel((config, x, kv)))
-    if err:
-        return None, err
-    durations = []
-    for i in range(max_repeats):
-        config, x, kv = make_inputs()
-        kv_copy = kv.clone()
-        dt, out = _timed(kernel, (config, x, kv))
-        err = check((config, x, kv_copy), out)
-        del out, kv_copy
+        dt, err = one_call()
         if err:
             return None, err
         durations.append(dt)
@@ -106,3 +76,39 @@ def leaderboard_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=30
             if s.err / s.mean < rel_err or s.mean * 1e3 * s.runs > max_time_ns:
                 break
     return stats(durations), None
+
+
+def _checked_first_call(kernel, make_inputs, check):
+    config, x, kv = make_inputs()
+    kv_copy = kv.clone()
+    err = check((config, x, kv_copy), kernel((config, x, kv)))
+    return (config, x, kv), err
+
+
+def benchmark_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=10e9, rel_err=0.01):
+    """One checked call, then the timed loop on the same inputs. ``check(data
+    before the call, output)`` returns an error text or None. Returns (Stats,
+    error or None)."""
+    data, err = _checked_first_call(kernel, make_inputs, check)
+    if err:
+        return None, err
+
+    def one_call():
+        dt, out = _timed(kernel, data)
+        del out
+        return dt, None
+    return _loop(one_call, max_repeats, max_time_ns, rel_err)
+
+
+def leaderboard_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=30e9, rel_err=0.01):
+    """Fresh inputs (new weights, new cache) and a check on every timed call."""
+    _, err = _checked_first_call(kernel, make_inputs, check)
+    if err:
+        return None, err
+
+    def one_call():
+        config, x, kv = make_inputs()
+        kv_copy = kv.clone()
+        dt, out = _timed(kernel, (config, x, kv))
+        return dt, check((config, x, kv_copy), out)
+    return _loop(one_call, max_repeats, max_time_ns, rel_err)
