@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../../platform/vendor.h"
+#include "block_table.h"  // (each kernel that reads its part reads the block table too)
 #include "params.h"
 #include "plan.h"
 
@@ -17,15 +18,6 @@ struct Part {
   int first_part;   // the sequence's first part (row of its partials)
   int L;            // the sequence's length, clamped to [0, max_len]: never read past the cache
 };
-
-// Entry i of a block table held to [0, num_pages): an id outside the cache
-// reads page 0 in its place, so a bad id never reads outside the cache (the
-// sequence's output is then unspecified; the serving API's checked mode
-// refuses such tables before launching).
-MLA_DEVICE int page_id(const int32_t* block_table, int64_t i, int64_t num_pages) {
-  const int id = block_table[i];
-  return id >= 0 && id < num_pages ? id : 0;
-}
 
 // False for the blocks of grid.y beyond the planned parts (they exit).
 MLA_DEVICE bool read_part(const AttnParams& p, int part, Part& out) {

@@ -1,0 +1,186 @@
+// The split planner (plan.h): one launch ahead of the attention that cuts
+// every sequence into parts of whole key tiles, on the device from the
+// lengths (no host synchronisation, so it is captured with the call).
+// Shared by the portable and the Hopper attention kernel.
+#include <algorithm>
+
+#include "../../platform/vendor.h"
+
+#include "attention.h"
+#include "plan.h"
+
+namespace mla {
+namespace {
+
+// One block of p.threads (<= kPlanThreads, a multiple of 64: bs rounded up,
+// so that a small batch pays for few threads in its barriers). Splits every
+// sequence into parts of about `per_part` tiles: per_part is the candidate
+// (P0 = total / target_parts, 1.25, 1.5 or 2 P0) with the smallest estimated
+// makespan on the target_parts slots (the longest part or the work per slot,
+// whichever is larger), counting a fixed cost per part and one for the
+// combine when a sequence is split. (With P0 alone, 128 sequences of 49
+// tiles on 132 slots were split 25 + 24: 256 parts in two waves, no faster
+// than 128 in one, plus the combine; MLA_DECODE_PLAN_P0=1 restores it for
+// measurements.) With p.no_split every sequence is one part (the plan of a
+// call that launches no combine: the decode step at a batch of at least
+// target_parts sequences of one length, which the candidates above never
+// split either). The planner is on the critical path of every call:
+// the attention kernel waits for it.
+constexpr int kPlanThreads = 1024;
+constexpr int kPlanCands = 4;
+constexpr float kPartCost = 1.0f;     // per part, in tiles (a work item's fixed cost)
+constexpr float kCombineCost = 1.0f;  // when any sequence is split, in tiles
+
+__global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) {
+  __shared__ int scan[kPlanThreads];
+  __shared__ int tiles_s[kPlanThreads];
+  __shared__ int total_s;
+  pdl_trigger();  // the attention kernel may start its prologue; it waits for this plan before reading it
+  const int tid = thread_x();
+  auto tiles_from_len = [&](int b) {
+    const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
+    return L > 0 ? (L + p.tile - 1) / p.tile : 0;
+  };
+  // sequence tid's tiles, read once (with bs <= threads, a thread's only
+  // sequence: the candidate loop and the part order below reuse it)
+  const int own_tiles = tid < p.bs ? tiles_from_len(tid) : 0;
+  auto tiles_of = [&](int b) { return b == tid ? own_tiles : tiles_from_len(b); };
+  // total tiles (an empty sequence counts one: it still gets a part) and the longest sequence
+  __shared__ int warp_max[kPlanThreads / 32];
+  int mine = 0, longest = 0;
+  const int nt = p.threads;
+  for (int b = tid; b < p.bs; b += nt) {
+    const int t = tiles_of(b);
+    mine += t > 0 ? t : 1;
+    longest = max(longest, t);
+  }
+  float wm = static_cast<float>(longest);  // exact: tiles < 2^24
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) wm = fmaxf(wm, shfl_xor(wm, o));
+  if (tid % kWarpSize == 0) warp_max[tid / kWarpSize] = static_cast<int>(wm);
+  if (tid == 0) total_s = 0;
+  sync_threads();
+  if (mine != 0) atomic_add_relaxed(&total_s, mine);
+  sync_threads();
+  const int p0 = max(1, (total_s + p.target_parts - 1) / p.target_parts);
+  int per_part = p0;
+  if (p.no_split) {  // every sequence one part: per_part = the longest sequence's tiles
+    __shared__ int longest_s;
+    if (tid == 0) {
+      int tmax = 1;
+      for (int w = 0; w < nt / kWarpSize; ++w) tmax = max(tmax, warp_max[w]);
+      longest_s = tmax;
+    }
+    sync_threads();
+    per_part = longest_s;
+  } else if (!p.p0_only) {
+    __shared__ int cand_parts[kPlanCands];
+    __shared__ int chosen;
+    auto cand = [&](int c) { return c == 3 ? 2 * p0 : p0 + c * p0 / 4; };  // P0, 1.25, 1.5, 2 P0
+    if (tid < kPlanCands) cand_parts[tid] = 0;
+    sync_threads();
+#pragma unroll 1
+    for (int c = 0; c < kPlanCands; ++c) {
+      const int pc = cand(c);
+      int np = 0;
+      for (int b = tid; b < p.bs; b += nt) np += max(1, (tiles_of(b) + pc - 1) / pc);
+      if (np != 0) atomic_add_relaxed(&cand_parts[c], np);
+    }
+    sync_threads();
+    // thread 0 evaluates the estimates for every thread: the longest part (at
+    // most min(P, longest sequence)) or the work per slot, whichever is
+    // larger, each part costing kPartCost more; ties go to fewer parts
+    if (tid == 0) {
+      int tmax = 0;
+      for (int w = 0; w < nt / kWarpSize; ++w) tmax = max(tmax, warp_max[w]);
+      float best = 3.0e38f;
+      int pick = p0;
+#pragma unroll 1
+      for (int c = 0; c < kPlanCands; ++c) {
+        const int np = cand_parts[c];
+        const float per_slot = (static_cast<float>(total_s) + kPartCost * static_cast<float>(np)) /
+                               static_cast<float>(p.target_parts);
+        const float est = fmaxf(static_cast<float>(min(cand(c), tmax)) + kPartCost, per_slot) +
+                          (np > p.bs ? kCombineCost : 0.0f);
+        if (est <= best) {
+          best = est;
+          pick = cand(c);
+        }
+      }
+      chosen = pick;
+    }
+    sync_threads();
+    per_part = chosen;
+  }
+
+  // Part order. Blocks are started roughly in part order as SMs free up, so
+  // with lengths that differ, longest-first keeps the SMs' totals even (LPT
+  // list scheduling). One chunk (bs <= threads): slot = rank of the
+  // sequence by tiles, descending (ties by index); more: index order.
+  const bool lpt = p.bs <= nt;
+  int carry = 0;  // parts of the sequences before this chunk
+  for (int base = 0; base < p.bs; base += nt) {
+    const int b = base + tid;
+    const int tiles = b < p.bs ? tiles_of(b) : 0;
+    const int n = b < p.bs ? max(1, (tiles + per_part - 1) / per_part) : 0;
+    int slot = tid;
+    if (lpt) {
+      tiles_s[tid] = tiles;
+      sync_threads();
+      if (b < p.bs) {
+        slot = 0;
+        for (int o = 0; o < p.bs; ++o) {
+          const int to = tiles_s[o];
+          slot += (to > tiles || (to == tiles && o < b)) ? 1 : 0;
+        }
+      }
+    }
+    scan[tid] = 0;
+    sync_threads();
+    scan[slot] = n;  // slots are a permutation of 0..bs-1 (or the identity)
+    sync_threads();
+    for (int off = 1; off < nt; off <<= 1) {  // inclusive Hillis-Steele scan
+      const int v = tid >= off ? scan[tid - off] : 0;
+      sync_threads();
+      scan[tid] += v;
+      sync_threads();
+    }
+    if (b < p.bs) {
+      const int first = carry + scan[slot] - n;
+      p.plan[kPlanSeqBase + 2 * b] = n;
+      p.plan[kPlanSeqBase + 2 * b + 1] = first;
+      const int per_split = (tiles + n - 1) / n;
+      const int L = min(max(p.seqlens[b], 0), p.max_len);
+      int32_t* out = p.plan + plan_part_base(p.bs) + kPartInts * first;
+      for (int s = 0; s < n; ++s, out += kPartInts) {
+        out[0] = b;
+        out[1] = min(s * per_split, tiles);
+        out[2] = min((s + 1) * per_split, tiles);
+        out[3] = s;
+        out[4] = n;
+        out[5] = first;
+        out[6] = L;
+        out[7] = 0;
+      }
+    }
+    carry += scan[nt - 1];
+    sync_threads();
+  }
+  if (tid == 0) {
+    p.plan[0] = carry;
+    p.plan[1] = per_part;
+    p.plan[plan_counter(p.bs, p.max_parts)] = 0;
+    p.plan[plan_counter(p.bs, p.max_parts) + 1] = 0;
+  }
+}
+
+}  // namespace
+
+const char* launch_plan(const PlanParams& p, stream_t stream) {
+  if (p.bs <= 0 || p.target_parts <= 0 || p.tile <= 0) return "launch_plan: bad parameters";
+  PlanParams q = p;
+  q.threads = std::min(kPlanThreads, (p.bs + 63) / 64 * 64);
+  plan_kernel<<<1, q.threads, 0, stream>>>(q);
+  return last_launch_error();
+}
+
+}  // namespace mla
