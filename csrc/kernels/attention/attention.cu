@@ -80,10 +80,8 @@ template <int kD, int kDv>
 using TileFor = AttnTile<kD, kDv, 4, 1, 16, 2>;
 #else
 // H100/H200 (when the Hopper kernel is not used): 8 warps, Q slice 72 + O 128
-// registers per thread, one block per SM by registers, a 3 x 32-key ring.
-// Measured on the H200 against it: a 2-deep ring (-10%), 16 warps with
-// 128-register caps (spills; -25% and -40%), 64-key tiles at dv <= 256
-// (845 against 797 us at dv 256, rope 64, h_q 128, L 4096; they spill at dv 512).
+// registers per thread, one block per SM by registers, a 3 x 32-key ring
+// (a 2-deep ring, 16 warps and 64-key tiles were slower: docs/not_kept.md).
 template <int kD, int kDv>
 using TileFor = AttnTile<kD, kDv, 4, 2, 32, 3>;
 #endif

@@ -18,17 +18,21 @@ struct AttnKernelInfo {
   int blocks_per_sm;    // resident blocks per SM/CU (occupancy calculator)
 };
 
-// The portable kernel (tile-MMA interface; the one AMD builds use), one
-// instance per supported shape: value width dv in {64, 128, 256, 512} and
-// rope width in {8, 16, 32, 64} inside the key (D = dv + rope), or rope 0:
-// per-head rope keys, scores from launch_rope_scores. DeepSeek-V3: 512, 64.
-// An unsupported shape returns kAttnShapesSupported in the message.
+// The portable kernel (attention.cu; tile-MMA interface, the one AMD builds
+// use), one instance per supported shape: value width dv in {64, 128, 256,
+// 512} and rope width in {8, 16, 32, 64} inside the key (D = dv + rope), or
+// rope 0: per-head rope keys, scores from launch_rope_scores. DeepSeek-V3:
+// 512, 64. An unsupported shape returns kAttnShapesSupported in the message.
 extern const char* const kAttnShapesSupported;
 bool attn_shape_supported(int dv, int rope);
 const char* attn_kernel_info_portable(int dv, int rope, AttnKernelInfo* info);
 const char* launch_attention_portable(const AttnParams& p, stream_t stream);
-const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
+
+// Launched around either attention kernel: the split planner before it
+// (plan.cu), the rope scores of per-head rope keys before it
+// (rope_scores.cu), the combine of split sequences after it (combine.cu).
 const char* launch_plan(const PlanParams& p, stream_t stream);
+const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 
 // Hopper variant (attention_sm90.cu, wgmma, the two warpgroups on alternate

@@ -18,14 +18,14 @@ namespace {
 // (P0 = total / target_parts, 1.25, 1.5 or 2 P0) with the smallest estimated
 // makespan on the target_parts slots (the longest part or the work per slot,
 // whichever is larger), counting a fixed cost per part and one for the
-// combine when a sequence is split. (With P0 alone, 128 sequences of 49
-// tiles on 132 slots were split 25 + 24: 256 parts in two waves, no faster
-// than 128 in one, plus the combine; MLA_DECODE_PLAN_P0=1 restores it for
-// measurements.) With p.no_split every sequence is one part (the plan of a
-// call that launches no combine: the decode step at a batch of at least
-// target_parts sequences of one length, which the candidates above never
-// split either). The planner is on the critical path of every call:
-// the attention kernel waits for it.
+// combine when a sequence is split. (P0 alone cuts sequences just longer
+// than P0 in two: twice the parts, in two waves, plus the combine; see
+// docs/attention.md. MLA_DECODE_PLAN_P0=1 keeps P0 alone for measurements.)
+// With p.no_split every sequence is one part (the plan of a call that
+// launches no combine: the decode step at a batch of at least target_parts
+// sequences of one length, which the candidates above never split either).
+// The planner is on the critical path of every call: the attention kernel
+// waits for it.
 constexpr int kPlanThreads = 1024;
 constexpr int kPlanCands = 4;
 constexpr float kPartCost = 1.0f;     // per part, in tiles (a work item's fixed cost)
