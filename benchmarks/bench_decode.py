@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
 from mla_decode.reference import generate_input, ref_kernel  # noqa: E402
-from common import device_name, geomean, time_events, time_graph, time_wall  # noqa: E402
+from common import device_name, flashmla, geomean, time_events, time_graph, time_wall  # noqa: E402
 import harness  # noqa: E402
 
 ATOL, RTOL = 8e-3, 2e-2
@@ -68,9 +68,8 @@ def inputs_maker(bs, prefill, device, reduced, seed):
 def flashmla_step():
     """FlashMLA's attention with PyTorch for the rest (absorbed; keys roped per
     call as the task requires), or None when flash_mla does not import."""
-    try:
-        import flash_mla
-    except ImportError:
+    flash_mla = flashmla()
+    if flash_mla is None:
         return None
     from mla_decode.reference import rope_cos_sin, rope_rotate
 

@@ -35,6 +35,24 @@ def gpu_setup(tool):
     return name, roofline.peaks_for(name)
 
 
+FLASHMLA_ERROR = None  # why the last flashmla() found no flash_mla
+
+
+def flashmla():
+    """The ``flash_mla`` module (deepseek-ai/FlashMLA, the attention peer
+    timed in the same process) when it imports here, else None, with the
+    reason kept in FLASHMLA_ERROR. Never part of this repository: on the
+    device, ``source .peers/use_flashmla.sh`` puts it on PYTHONPATH."""
+    global FLASHMLA_ERROR
+    try:
+        import flash_mla
+    except (ImportError, OSError) as e:  # not installed, or its extension does not load here
+        FLASHMLA_ERROR = f"{type(e).__name__}: {e}"
+        return None
+    FLASHMLA_ERROR = None
+    return flash_mla
+
+
 def rates(us, flops, nbytes, peaks):
     """A result row: us, TFLOP/s, GB/s and, with the device's (bandwidth,
     flops) peaks, the floor max(bytes/BW, FLOPs/peak) and % of it."""
