@@ -1,20 +1,60 @@
-"""Attention kernel alone: bs=128, H=128, s_q=1 over the task's latent cache.
+"""Attention kernel alone against FlashMLA in the same process, on the same inputs.
 
-    python benchmarks/bench_attention.py [--lengths 513 2049 4097 6145] [--json FILE]
+    python benchmarks/bench_attention.py                        # the default rows
+    python benchmarks/bench_attention.py --heads 128 64 --lengths 2049 8193
+    python benchmarks/bench_attention.py --rope no --iters 30 --json out.json
+    python benchmarks/bench_attention.py --dry-run              # the rows and their memory; no GPU needed
 
-Device events around --batch calls back to back (the launch queue kept full:
-the device time per call, host launch overhead not counted; --batch 1 counts
-it), median of many runs, caches rotated so they do not sit in L2.
-Reports us, TFLOP/s, GB/s and % of the attention floor (max(bytes/BW,
-FLOPs/peak) with mla_decode.roofline's peaks for the device).
+Rows (bs 128, s_q 1, keys 576 = 512 latent + 64 rope, dv 512):
+  default (neither --heads nor --lengths given): h_q 128 at L 513, 1025,
+    2049, 4097, 6145, 8193; h_q 16, 32 and 64 at L 4096 and 16384.
+  --heads H... and/or --lengths L...: every h_q at every L (the one left
+    out: h_q 128, or the h_q-128 lengths above).
+  --rope yes|kpe|no ...: the key modes of every row. Default: all three at
+    h_q 128, "no" alone at other h_q.
+Key modes: "yes" rotates the keys' rope columns on the fly (rope_cs, what
+the decode step does); "kpe" reads them from a separate, already rotated
+buffer; "no" uses the keys as stored, which is what FlashMLA does: the
+comparison with FlashMLA is made on "no" rows only.
 
-Two times per row: `us`, each call planning its own split (one planner
-launch ahead of the attention, as mla_attention does by default), and
-`plan1`, the plan made once for the lengths and passed as plan= (as
-FlashMLA's get_mla_metadata, whose output its benchmark reuses across
-calls; its kernel times in xFlashMLA are of that kind)."""
+Inputs, per row: each cache set is one dense cache kv [bs, Lpad, 576] bf16,
+Lpad = L rounded up to 64 rows, with the rows past L filled with NaN (both
+kernels must ignore them; a read past the length shows as NaN), and one q
+[bs, 1, h_q, 576]. FlashMLA (when ``import flash_mla`` works; FlashMLA is
+never part of this repository) gets the SAME memory as 64-row pages,
+kv.view(bs * Lpad / 64, 64, 1, 576), with block_table = arange in order,
+the same q, the same lengths (int32) and the same softmax scale;
+get_mla_metadata is called once per row (as FlashMLA's own benchmark
+does). Several sets per row, rotated from call to call so that no call
+finds its cache in L2 (enough sets for 200 MB, at least 2, at most what
+fits in 4 GB); FlashMLA gets the same sets in the same rotation.
+
+Check, once per row and key mode before timing: on "no" rows, max |ours -
+FlashMLA| over the outputs of set 0 (ours planned in the call and with the
+plan made once), flagged MISMATCH above 5e-2 or when either has a NaN; without FlashMLA, and on yes/kpe rows, only NaN in ours
+is flagged. A benchmark asserts nothing: a flagged row is timed and printed.
+
+Timing (benchmarks/common.py time_events): device events around --batch
+calls back to back (the launch queue kept full: the device time per call,
+host launch overhead not counted; --batch 1 counts it), median of --iters
+such pairs after a warm-up. Per row and key mode: ours with each call
+planning its own split (`us`: one planner launch ahead of the attention,
+mla_attention's default), ours with the plan made once and passed as plan=
+(`us plan1`, FlashMLA's usage model: its benchmark reuses one
+get_mla_metadata output), then, on "no" rows, FlashMLA (`FlashMLA us`),
+interleaved row by row in one process so clocks and heat match.
+
+Columns: h_q, L, rope, us, us plan1, TFLOP/s, GB/s, floor us and % of
+floor (of `us`; floor = max(bytes/BW, FLOPs/peak) with mla_decode.roofline's
+peaks for the device), FlashMLA us, xFM = FlashMLA us / our us (per call
+planning) and xFM plan1 = FlashMLA us / our plan1 us (> 1: ours faster),
+max|d| (ours - FlashMLA) and the flag. Last line: the geometric means of
+xFM and xFM plan1 over the "no" rows, also per h_q. --json FILE writes the
+same fields per row. Without a GPU it prints why and exits 1; without
+flash_mla it says so in one line and the FlashMLA columns read "-"."""
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -24,70 +64,253 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
-from common import add_timing_args, dump_json, gpu_setup, rates, time_events  # noqa: E402
+import common  # noqa: E402
+from common import add_timing_args, dump_json, geomean, gpu_setup, rates  # noqa: E402
 
-FLASHMLA_H200_US = {513: 63, 2049: 157, 4097: 270, 6145: 396}  # FlashMLA's kernel on an H200 (docs/attention.md)
+D, DV, PAGE = 576, 512, 64
+S_Q, H_KV = 1, 1  # one query row per sequence, one latent key head
+SCALE = 0.0722  # softmax scale, the same for both kernels
+ROPES = ("yes", "kpe", "no")
+H128_LENGTHS = (513, 1025, 2049, 4097, 6145, 8193)
+DEFAULT_ROWS = [(128, L) for L in H128_LENGTHS] + [(h, L) for h in (16, 32, 64) for L in (4096, 16384)]
+L2_BYTES = 200e6  # the sets of a row together exceed this (L2 is 50-60 MB) ...
+SETS_BYTES = 4e9  # ... and stay under this (never fewer than 2 sets)
+MISMATCH = 5e-2  # max |ours - FlashMLA| above which a row is flagged
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", type=int, nargs="+", default=[513, 2049, 4097, 6145])
+def pad(L):
+    """L rounded up to whole 64-row pages."""
+    return (L + PAGE - 1) // PAGE * PAGE
+
+
+def row_specs(heads=None, lengths=None, ropes=None):
+    """[(h_q, L, key modes)]: the default rows when neither heads nor lengths
+    is given, else every h_q at every L."""
+    if heads is None and lengths is None:
+        pairs = DEFAULT_ROWS
+    else:
+        pairs = [(h, L) for h in (heads or [128]) for L in (lengths or H128_LENGTHS)]
+    return [(h, L, tuple(ropes) if ropes else (ROPES if h == 128 else ("no",))) for h, L in pairs]
+
+
+def set_bytes(bs, L, h_q, ropes):
+    """Device bytes of one cache set: kv, q and, for kpe, the rope buffer."""
+    Lp = pad(L)
+    return 2 * (bs * Lp * D + bs * h_q * D + (bs * Lp * 64 if "kpe" in ropes else 0))
+
+
+def n_sets(bs, L, h_q, ropes):
+    """Sets rotated in a row: past L2 between reuses, under SETS_BYTES, >= 2."""
+    b = set_bytes(bs, L, h_q, ropes)
+    return max(2, min(math.ceil(L2_BYTES / b), int(SETS_BYTES // b)))
+
+
+def make_sets(n, bs, L, h_q, ropes, device):
+    """n sets of (q, kv, kpe or None) with the rows past L of kv (and kpe) NaN."""
+    Lp = pad(L)
+    sets = []
+    for _ in range(n):
+        kv = torch.randn(bs, Lp, D, device=device, dtype=torch.bfloat16)
+        kv[:, L:] = float("nan")
+        q = torch.randn(bs, S_Q, h_q, D, device=device, dtype=torch.bfloat16)
+        kpe = None
+        if "kpe" in ropes:
+            kpe = torch.randn(bs, Lp, 64, device=device, dtype=torch.bfloat16)
+            kpe[:, L:] = float("nan")
+        sets.append((q, kv, kpe))
+    return sets
+
+
+def pages_of(kv):
+    """FlashMLA's view of a dense cache: the same memory as 64-row pages in
+    order, and the block table that walks them."""
+    bs, Lp, d = kv.shape
+    pages = kv.view(bs * Lp // PAGE, PAGE, 1, d)
+    table = torch.arange(bs * Lp // PAGE, dtype=torch.int32, device=kv.device).view(bs, Lp // PAGE)
+    return pages, table
+
+
+def check_row(ours, theirs):
+    """(max |ours - theirs| or None, flag or ''): NaN in either, or a
+    difference above MISMATCH, is flagged; theirs None checks ours for NaN."""
+    if torch.isnan(ours).any():
+        return None, "NaN"
+    if theirs is None:
+        return None, ""
+    if torch.isnan(theirs).any():
+        return None, "NaN(FlashMLA)"
+    d = (ours.float() - theirs.float()).abs().max().item()
+    return d, ("MISMATCH" if d > MISMATCH else "")
+
+
+def measure_row(h_q, L, ropes, args, peaks, fm, device="cuda", time_events=None):
+    """The result rows of one (h_q, L): one per key mode."""
+    time_events = time_events or common.time_events
+    bs, Lp = args.bs, pad(L)
+    n = n_sets(bs, L, h_q, ropes)
+    sets = make_sets(n, bs, L, h_q, ropes, device)
+    seqlens = torch.full((bs,), L, dtype=torch.int32, device=device)
+    cs = mla_decode.rope_table(Lp, device=device) if "yes" in ropes else None
+    out = torch.empty(bs, S_Q, h_q, DV, device=device, dtype=torch.bfloat16)
+    lse = torch.empty(bs, h_q, S_Q, device=device)
+    # the plan made once, for the capacity the call itself plans with (kv's rows, Lpad)
+    plan = torch.ops.mla_decode.plan(seqlens, S_Q, h_q, Lp)
+    paged = meta = fm_error = None
+    if fm is not None and "no" in ropes:
+        paged = [pages_of(kv) for _, kv, _ in sets]
+        try:  # FlashMLA's metadata, made once per row as its benchmark does
+            meta = fm.get_mla_metadata(seqlens, S_Q * h_q // H_KV, H_KV)
+        except Exception as e:  # noqa: BLE001 - a benchmark flags, it does not stop
+            paged, fm_error = None, f"get_mla_metadata: {type(e).__name__}: {e}"
+            print(f"  (h_q {h_q} L {L}: FlashMLA failed: {fm_error})", flush=True)
+    fl = roofline.attention_flops(bs, L, h_q)
+    by = roofline.attention_bytes(bs, L, h_q)
+    rows = []
+    for rope in ropes:
+        it = [0]
+
+        def ours(plan=None, i=None):
+            j = i if i is not None else it[0] % n  # i: the check's set; else the next in the rotation
+            it[0] += i is None
+            q, kv, kpe = sets[j]
+            mla_decode.mla_attention(q, kv, seqlens, SCALE, rope_cs=cs if rope == "yes" else None, out=out, lse=lse,
+                                     kpe=kpe if rope == "kpe" else None, plan=plan)
+
+        def flash(i=None):
+            j = i if i is not None else it[0] % n  # i: the check's set; else the next in the rotation
+            it[0] += i is None
+            pages, table = paged[j]
+            return fm.flash_mla_with_kvcache(sets[j][0], pages, table, seqlens, DV, meta[0], meta[1],
+                                             softmax_scale=SCALE, causal=False)[0]
+
+        row = dict(h_q=h_q, L=L, Lpad=Lp, bs=bs, rope=rope, n_sets=n)
+        if fm_error and rope == "no":
+            row["flashmla_error"] = fm_error
+        # checked once on set 0, both ways of planning, before any timing
+        try:
+            ours(None, i=0)
+            mine = [out.clone()]
+            ours(plan, i=0)
+            mine.append(out.clone())
+            theirs = None
+            if paged and rope == "no":
+                try:
+                    theirs = flash(i=0)
+                except Exception as e:  # noqa: BLE001 - a benchmark flags, it does not stop
+                    row["flashmla_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  (h_q {h_q} L {L}: FlashMLA failed: {row['flashmla_error']})", flush=True)
+            checks = [check_row(o, theirs) for o in mine]
+            diffs = [d for d, _ in checks if d is not None]
+            row["max_diff_flashmla"] = max(diffs) if diffs else None
+            flags = {f for _, f in checks if f} | ({"FLASHMLA-ERROR"} if "flashmla_error" in row else set())
+            row["flag"] = " ".join(sorted(flags))
+            del mine, theirs
+        except Exception as e:  # noqa: BLE001
+            row.update(error=f"{type(e).__name__}: {e}", flag="ERROR")
+            print(f"  (h_q {h_q} L {L} rope {rope}: ours failed: {row['error']})", flush=True)
+            rows.append(row)
+            continue
+        us = time_events(ours, iters=args.iters, batch=args.batch) * 1e3
+        us1 = time_events(lambda: ours(plan), iters=args.iters, batch=args.batch) * 1e3
+        row.update(rates(us, fl, by, peaks), us_plan_once=us1)
+        if paged and rope == "no" and "flashmla_error" not in row:
+            fus = time_events(flash, iters=args.iters, batch=args.batch) * 1e3
+            row.update(us_flashmla=fus, vs_flashmla=fus / us, vs_flashmla_plan_once=fus / us1)
+        rows.append(row)
+    return rows  # the sets are freed with this frame (main then empties the allocator's cache)
+
+
+def cell(v, w, spec):
+    return f"{'-':>{w}}" if v is None else f"{v:>{w}{spec}}"
+
+
+HEADER = (f"{'h_q':>4} {'L':>6} {'rope':>4} {'us':>8} {'us plan1':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor us':>8} "
+          f"{'%floor':>6} {'FlashMLA':>8} {'xFM':>5} {'xFM plan1':>9} {'max|d|':>8}  flag")
+
+
+def format_row(r):
+    g = r.get
+    return (f"{r['h_q']:>4} {r['L']:>6} {r['rope']:>4} {cell(g('us'), 8, '.1f')} {cell(g('us_plan_once'), 8, '.1f')} "
+            f"{cell(g('tflops'), 7, '.1f')} {cell(g('gbs'), 6, '.0f')} {cell(g('floor_us'), 8, '.1f')} "
+            f"{cell(g('pct_floor'), 6, '.1f')} {cell(g('us_flashmla'), 8, '.1f')} {cell(g('vs_flashmla'), 5, '.2f')} "
+            f"{cell(g('vs_flashmla_plan_once'), 9, '.2f')} {cell(g('max_diff_flashmla'), 8, '.1e')}  {g('flag', '')}")
+
+
+def summary(rows):
+    """Geometric means of xFM and xFM plan1 over the rope 'no' rows that
+    have them: overall and per h_q (None where no row has them)."""
+    def gm(rs):
+        rs = [r for r in rs if r["rope"] == "no" and "vs_flashmla" in r]
+        if not rs:
+            return None
+        return dict(n=len(rs), vs_flashmla=geomean([r["vs_flashmla"] for r in rs]),
+                    vs_flashmla_plan_once=geomean([r["vs_flashmla_plan_once"] for r in rs]))
+    heads = sorted({r["h_q"] for r in rows}, reverse=True)
+    return dict(all=gm(rows), by_h_q={h: gm([r for r in rows if r["h_q"] == h]) for h in heads})
+
+
+def summary_line(s):
+    if s["all"] is None:
+        return "geomean xFM (rope no): - (FlashMLA not measured)"
+    line = (f"geomean over {s['all']['n']} rope-no rows: xFM {s['all']['vs_flashmla']:.3f}, "
+            f"xFM plan1 {s['all']['vs_flashmla_plan_once']:.3f}")
+    parts = [f"h_q {h}: {g['vs_flashmla']:.3f} / {g['vs_flashmla_plan_once']:.3f}"
+             for h, g in s["by_h_q"].items() if g is not None]
+    return line + (" (" + "; ".join(parts) + ")" if len(parts) > 1 else "")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, nargs="+", help="h_q values (a grid with --lengths; default: the default rows)")
+    ap.add_argument("--lengths", type=int, nargs="+", help="cache lengths L (a grid with --heads)")
+    ap.add_argument("--rope", nargs="+", choices=ROPES, help="key modes of every row (default: all three at h_q 128, "
+                                                             "'no' elsewhere)")
     ap.add_argument("--bs", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--no-flashmla", action="store_true", help="do not time FlashMLA even when it imports")
+    ap.add_argument("--dry-run", action="store_true", help="print the rows, sets and memory, and exit (no GPU)")
     add_timing_args(ap, iters=50)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    specs = row_specs(args.heads, args.lengths, args.rope)
+    if args.dry_run:
+        for h, L, ropes in specs:
+            n = n_sets(args.bs, L, h, ropes)
+            print(f"h_q {h:>3} L {L:>6} (Lpad {pad(L)}) rope {','.join(ropes):<10} {n} sets x "
+                  f"{set_bytes(args.bs, L, h, ropes) / 1e9:.2f} GB")
+        return 0
     setup = gpu_setup("bench_attention")
     if setup is None:
         return 1
     name, peaks = setup
-    print(f"# attention kernel | {mla_decode.backend()} | bs={args.bs} H={args.heads} s_q=1 D=576 Dv=512")
+    fm = None if args.no_flashmla else common.flashmla()
+    print(f"# attention kernel vs FlashMLA | {name} | {mla_decode.backend()} | bs={args.bs} s_q=1 D={D} Dv={DV} "
+          f"| batch {args.batch}, median of {args.iters}")
+    if fm is None:
+        why = "--no-flashmla" if args.no_flashmla else f"flash_mla does not import ({common.FLASHMLA_ERROR})"
+        print(f"# FlashMLA not measured: {why}; its columns read '-'")
+    print(HEADER, flush=True)
     rows = []
-    for L in args.lengths:
-        n_sets = max(2, math.ceil(200e6 / (args.bs * L * 576 * 2)))  # > L2 between reuses
-        sets = []
-        for i in range(n_sets):
-            kv = torch.randn(args.bs, L, 576, device="cuda", dtype=torch.bfloat16)
-            q = torch.randn(args.bs, 1, args.heads, 576, device="cuda", dtype=torch.bfloat16)
-            sets.append((q, kv))
-        seqlens = torch.full((args.bs,), L, dtype=torch.int32, device="cuda")
-        cs = mla_decode.rope_table(L, device="cuda")
-        out = torch.empty(args.bs, 1, args.heads, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(args.bs, args.heads, 1, device="cuda")
-        # rope: "yes" rotates keys on the fly (what the decode step does); "kpe" reads a separate
-        # rotated copy of the rope columns; "no" uses the keys as stored (FlashMLA's setting)
-        kpes = [torch.randn(args.bs, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
-        plan = torch.ops.mla_decode.plan(seqlens, 1, args.heads, L)
-        for rope in ("yes", "kpe", "no"):
-            it = [0]
-
-            def call(plan=None):
-                q, kv = sets[it[0] % n_sets]
-                kpe = kpes[it[0] % n_sets] if rope == "kpe" else None
-                it[0] += 1
-                mla_decode.mla_attention(q, kv, seqlens, 0.0722, rope_cs=cs if rope == "yes" else None, out=out,
-                                         lse=lse, kpe=kpe, plan=plan)
-
-            us = time_events(call, iters=args.iters, batch=args.batch) * 1e3
-            us1 = time_events(lambda: call(plan), iters=args.iters, batch=args.batch) * 1e3
-            fl = roofline.attention_flops(args.bs, L, args.heads)
-            by = roofline.attention_bytes(args.bs, L, args.heads)
-            row = dict(L=L, rope=rope, **rates(us, fl, by, peaks), us_plan_once=us1)
-            if "H200" in name and L in FLASHMLA_H200_US:
-                row["vs_flashmla"] = FLASHMLA_H200_US[L] / us
-                row["vs_flashmla_plan_once"] = FLASHMLA_H200_US[L] / us1
-            rows.append(row)
-        del sets, kpes
-    print(f"{'L':>6} {'rope':>5} {'us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'floor us':>9} {'%floor':>7} {'xFlashMLA':>9}"
-          f" {'us plan1':>9} {'xFM plan1':>9}")
-    for r in rows:
-        print(f"{r['L']:>6} {r['rope']:>5} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['gbs']:>7.0f} "
-              f"{r.get('floor_us', float('nan')):>9.1f} {r.get('pct_floor', float('nan')):>7.1f} "
-              f"{r.get('vs_flashmla', float('nan')):>9.2f} {r['us_plan_once']:>9.1f} "
-              f"{r.get('vs_flashmla_plan_once', float('nan')):>9.2f}")
-    print("(xFlashMLA: FlashMLA's H200 time (docs/attention.md) over ours; rope=no is its setting;"
-          " rope=yes (keys rotated on the fly) is the decode step's path. plan1: the split planned once for the lengths and passed as plan=,"
-          " as FlashMLA's benchmark reuses its get_mla_metadata output; us: each call plans its own)")
-    dump_json(args.json, name, rows=rows)
+    for h, L, ropes in specs:
+        for r in measure_row(h, L, ropes, args, peaks, fm):
+            print(format_row(r), flush=True)
+            rows.append(r)
+        gc.collect()  # the row's sets (freed with measure_row's frame) back to the device before the next row's
+        torch.cuda.empty_cache()
+    s = summary(rows)
+    print(summary_line(s))
+    print("(us: each call plans its split; plan1: the plan made once and passed as plan=, as FlashMLA reuses its "
+          "get_mla_metadata output; xFM = FlashMLA us / ours, > 1: ours faster, rope=no only; rope yes = keys "
+          "rotated on the fly, the decode step's path; TFLOP/s, GB/s, floor of `us`)")
+    flagged = [r for r in rows if r.get("flag")]
+    if flagged:
+        print(f"FLAGGED: {len(flagged)} row(s): " + ", ".join(f"h_q {r['h_q']} L {r['L']} {r['rope']} {r['flag']}"
+                                                            for r in flagged))
+    dump_json(args.json, name, rows=rows, geomean=s, flashmla=getattr(fm, "__file__", None),
+              flashmla_missing=None if fm is not None else ("--no-flashmla" if args.no_flashmla
+                                                             else common.FLASHMLA_ERROR))
     return 0
 
 
