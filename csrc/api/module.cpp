@@ -1,5 +1,6 @@
 // The Python module mla_decode._C: importing it registers the torch ops
-// (ops.cpp) and exposes build facts through pybind11.
+// (registration.cpp, ops_projections.cpp) and exposes build facts through
+// pybind11.
 #include <torch/extension.h>
 
 #include "blas_lt.h"

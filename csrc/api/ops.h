@@ -1,4 +1,9 @@
-// Declarations of the torch-facing ops (implemented in ops.cpp).
+// Declarations of the torch-facing ops, for the module (module.cpp), the op
+// registration (registration.cpp) and the decode step (step.cpp). Defined in
+// attention_ops.cpp (attention, attention_out, plan), combine_op.cpp,
+// attention_choice.cpp (plan_target_parts, attention_info), bounded_maps.cpp
+// (attention_bounded_register, release_cached), ops_projections.cpp and
+// step.cpp.
 #pragma once
 
 #include <tuple>

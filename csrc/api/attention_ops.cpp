@@ -1,155 +1,36 @@
-// Torch glue of the attention stage: validation, workspace, launch, and
-// registration as PyTorch custom ops (torch.ops.mla_decode.*), so that
-// torch.compile and graph capture see them. No kernel code here.
+// Torch glue of the attention op: its checks, its split plan (made here or
+// passed in from the plan op), its workspaces and its launches (rope scores,
+// attention, combine). No kernel code here.
 //
 // PyTorch's ROCm build keeps the at::cuda / c10::cuda names (HIP underneath),
 // so this file serves both vendors unchanged.
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
-#include <array>
-#include <cstdlib>
-#include <mutex>
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <utility>
 
-#include "../kernels/attention/attention.h"
+#include "attention_internal.h"
 #include "checks.h"
 #include "ops.h"
 
 namespace mla::api {
+
+using detail::AttnKernel;
+using detail::bounded_table_for;
+using detail::capturing;
+using detail::DeviceAttnInfo;
+using detail::device_attn_info;
+using detail::plan_parts;
+using detail::shape_index;
+
 namespace {
-
-constexpr int64_t kDv = 512, kRope = 64;  // DeepSeek-V3 (the combine op's only width and the defaults)
-
-// The shapes the portable kernel is built for (attention.h): index of (dv, rope) or -1.
-int shape_index(int64_t dv, int64_t rope) {
-  static constexpr int64_t kDvs[] = {64, 128, 256, 512}, kRopes[] = {0, 8, 16, 32, 64};
-  int i = -1, j = -1;
-  for (int k = 0; k < 4; ++k) i = kDvs[k] == dv ? k : i;
-  for (int k = 0; k < 5; ++k) j = kRopes[k] == rope ? k : j;
-  return i < 0 || j < 0 ? -1 : i * 5 + j;
-}
-constexpr int kShapes = 20;
-
-enum class AttnKernel { kPortable = 0, kHopper = 1 };
-
-struct DeviceAttnInfo {
-  AttnKernelInfo kernel{};
-  int sm_count = 0;
-  AttnKernel kind = AttnKernel::kPortable;
-};
-
-#ifndef MLA_BUILD_ARCHS
-#define MLA_BUILD_ARCHS "unknown"
-#endif
-
-// The attention kernel for `device` and the shape: the Hopper (wgmma) kernel
-// where this build carries sm_90a code, the device is compute capability 9.x
-// and dv is 128, 256 or 512 with the rope keys shared (any rope width;
-// on-the-fly RoPE only at width 64), else the portable tile-MMA kernel.
-// MLA_DECODE_ATTN_KERNEL=portable|hopper overrides (for measurements and
-// tests; read once); `hopper` applies to those shapes only.
-// rope_in_key 0: per-head rope keys.
-bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
-  if (rope_in_key == 0) return !rope_on_the_fly && sm90_per_head_supported(static_cast<int>(dv));
-  return sm90_shape_supported(static_cast<int>(dv), static_cast<int>(rope_in_key)) &&
-         (!rope_on_the_fly || rope_in_key == kRope);
-}
-
-AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly) {
-  if (!hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
-  static const int forced = [] {
-    const char* s = std::getenv("MLA_DECODE_ATTN_KERNEL");
-    if (s == nullptr || *s == 0) return -1;
-    const std::string v(s);
-    if (v == "portable") return 0;
-    if (v == "hopper") return 1;
-    fail_value("MLA_DECODE_ATTN_KERNEL must be 'portable' or 'hopper', got '" + v + "'");
-  }();
-  if (forced >= 0) return static_cast<AttnKernel>(forced);
-  const bool has_sm90a = std::string(MLA_BUILD_ARCHS).find("sm_90a") != std::string::npos;
-  return has_sm90a && at::cuda::getDeviceProperties(device)->major == 9 ? AttnKernel::kHopper : AttnKernel::kPortable;
-}
-
-// Kernel facts and the SM/CU count, read once per device and shape (and
-// whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64).
-const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope,
-                                       bool rope_on_the_fly = false) {
-  static std::mutex mu;
-  static std::array<std::array<DeviceAttnInfo, 2 * kShapes>, 64> cache{};
-  static std::array<std::array<bool, 2 * kShapes>, 64> ready{};
-  if (device < 0 || device >= 64) fail_value("device index out of range: " + num(int64_t{device}));
-  const int shape = shape_index(dv, rope);
-  if (shape < 0)
-    fail_value("unsupported attention shape dv=" + num(dv) + ", rope=" + num(rope) + "; " + kAttnShapesSupported);
-  const int si = 2 * shape + (rope_on_the_fly ? 1 : 0);
-  std::lock_guard<std::mutex> lock(mu);
-  if (!ready[device][si]) {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    const auto* props = at::cuda::getDeviceProperties(device);
-    DeviceAttnInfo info;
-    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly);
-    check_launch(info.kind == AttnKernel::kHopper
-                     ? attn_kernel_info_sm90(static_cast<int>(dv), rope == 0, &info.kernel)
-                     : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), &info.kernel),
-                 "attention kernel setup");
-    if (props->warpSize != info.kernel.warp_size)
-      fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +
-           num(int64_t{device}) + " runs warp size " + num(int64_t{props->warpSize}));
-    info.sm_count = props->multiProcessorCount;
-    cache[device][si] = info;
-    ready[device][si] = true;
-  }
-  return cache[device][si];
-}
 
 struct KvLayout {
   int64_t row_stride, page_stride, page_size, capacity, bt_stride;
 };
-
-// Registered bounded-map tables (attention_bounded_register): per device, the
-// layouts they serve, most recent first, at most kBoundedTables (2 x 128
-// bytes per cache row each). A table depends on nothing but the layout
-// (addresses, sizes, strides), so any call whose cache and kpe have exactly
-// a registered layout may use it. It is built on the registering stream
-// with no host wait: a use on another stream waits for `built` and records
-// the stream with the caching allocator, so a dropped table's memory is
-// reused only after every such use. Calls made while their stream captures
-// a graph use no table (a graph would keep its address past a drop).
-constexpr size_t kBoundedTables = 4;
-struct BoundedEntry {
-  int device;
-  BoundedLayout layout;
-  at::Tensor table;
-  stream_t stream;  // where it was built
-  event_t built;    // recorded there after the build; destroyed with the entry (never at exit)
-};
-std::mutex bounded_mu;
-// never destroyed: nothing CUDA-related runs during static destruction at exit
-std::vector<BoundedEntry>& bounded_tables = *new std::vector<BoundedEntry>();
-
-bool capturing(stream_t stream) {
-  bool c = false;
-  check_launch(stream_capturing(stream, &c), "stream capture query");
-  return c;
-}
-
-// The registered table of this layout, made safe to read on `stream`, or an
-// undefined tensor.
-at::Tensor bounded_table_for(int device, const BoundedLayout& l, stream_t stream) {
-  std::lock_guard<std::mutex> lock(bounded_mu);
-  for (BoundedEntry& e : bounded_tables)
-    if (e.device == device && e.layout == l) {
-      if (e.stream != stream) {
-        check_launch(stream_wait_event(stream, e.built), "bounded TMA map table");
-        c10::cuda::CUDACachingAllocator::recordStream(
-            e.table.storage().data_ptr(), at::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
-      }
-      return e.table;
-    }
-  return at::Tensor();
-}
 
 // The kernels read rows in 16-byte pieces: a 16-byte aligned base and every
 // stride but the last a multiple of 8 elements (a slice of a wider buffer
@@ -203,21 +84,6 @@ struct Planned {
   at::Tensor plan;
   int64_t max_parts;
 };
-
-// Parts wanted for one head block (from the SM count and the kernel's
-// residency) and the plan's capacity in parts, for bs sequences of s_q x h_q
-// rows: target_parts + bs, or bs for a plan that splits nothing (`split`
-// false; the two sizes differ, so the attention op tells the kinds apart).
-std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, const DeviceAttnInfo& info,
-                                       bool split = true) {
-  const int64_t rows = s_q * h_q;
-  const int64_t head_blocks = (rows + info.kernel.rows_per_block - 1) / info.kernel.rows_per_block;
-  const int64_t target_parts =
-      std::max<int64_t>(1, static_cast<int64_t>(info.sm_count) * info.kernel.blocks_per_sm / head_blocks);
-  const int64_t max_parts = split ? target_parts + bs : bs;
-  if (max_parts > 65535) fail("too many parts for one launch: " + num(max_parts));
-  return {target_parts, max_parts};
-}
 
 // The split plan of one call (plan.h), computed on the device from the
 // lengths: no host synchronisation, so it is captured with the call.
@@ -510,129 +376,4 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part) {
-  if (!o_part.is_cuda()) fail_value("o_part must be on a GPU, got " + o_part.device().str());
-  check_device(lse_part, "lse_part", o_part.device());
-  check_dtype(o_part, "o_part", at::kFloat);
-  check_dtype(lse_part, "lse_part", at::kFloat);
-  check_shape(o_part, "o_part", {-1, -1, -1, -1, -1}, "[bs, num_splits, s_q, h_q, dv]");
-  const int64_t bs = o_part.size(0), n = o_part.size(1), s_q = o_part.size(2), h_q = o_part.size(3);
-  const int64_t dv = o_part.size(4);
-  if (shape_index(dv, 0) < 0) fail_value("o_part's last dimension (dv) must be 64, 128, 256 or 512, got " + shape_str(o_part));
-  if (bs <= 0 || n <= 0 || s_q <= 0 || h_q <= 0) fail_value("o_part must be non-empty, got " + shape_str(o_part));
-  check_shape(lse_part, "lse_part", {bs, n, s_q, h_q}, "[bs, num_splits, s_q, h_q] (matching o_part)");
-  check_contiguous(o_part, "o_part");
-  check_contiguous(lse_part, "lse_part");
-  if (bs * n > INT32_MAX || s_q * h_q > INT32_MAX) fail("combine: sizes overflow int32");
-
-  c10::cuda::CUDAGuard guard(o_part.device());
-  auto i32 = o_part.options().dtype(at::kInt);
-  at::Tensor seq_info = at::stack({at::full({bs}, n, i32), at::arange(bs, i32) * n}, 1).contiguous();
-  at::Tensor out = at::empty({bs, s_q, h_q, dv}, o_part.options().dtype(at::kBFloat16));
-  at::Tensor lse = at::empty({bs, h_q, s_q}, o_part.options());
-
-  CombineParams cp{};
-  cp.o_part = o_part.data_ptr<float>();
-  cp.lse_part = lse_part.data_ptr<float>();
-  cp.seq_info = seq_info.data_ptr<int32_t>();
-  cp.skip_single_split = false;
-  cp.o = reinterpret_cast<bf16_t*>(out.data_ptr());
-  cp.lse = lse.data_ptr<float>();
-  cp.bs = static_cast<int>(bs);
-  cp.s_q = static_cast<int>(s_q);
-  cp.h_q = static_cast<int>(h_q);
-  cp.rows = static_cast<int>(s_q * h_q);
-  cp.dv = static_cast<int>(dv);
-  cp.f16 = false;
-  check_launch(launch_combine(cp, at::cuda::getCurrentCUDAStream().stream()), "combine launch");
-  return {out, lse};
-}
-
-at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv) {
-  if (!kv.is_cuda()) fail_value("attention_bounded_register: kv must be on a GPU, got " + kv.device().str());
-  check_shape(kv, "kv", {-1, -1, -1}, "[bs, max_seq_len, d]");
-  check_last_dim_contiguous(kv, "kv");
-  const int64_t rope = kpe.has_value() ? kpe->size(-1) : kv.size(2) - dv;
-  if (kpe.has_value()) {
-    check_device(*kpe, "kpe", kv.device());
-    check_dtype(*kpe, "kpe (the same dtype as kv)", kv.scalar_type());
-    check_last_dim_contiguous(*kpe, "kpe");
-    check_shape(*kpe, "kpe", {kv.size(0), -1, rope}, "[bs, >= max_seq_len, rope]");
-  }
-  if (dv < 1 || rope < 1 || dv + rope > kv.size(2))
-    fail_value("attention_bounded_register: dv " + num(dv) + " and rope " + num(rope) + " do not fit kv rows of " +
-               num(kv.size(2)));
-  if (kv.element_size() != 2) fail_value("attention_bounded_register: kv must hold bf16 or fp16, got " + std::string(c10::toString(kv.scalar_type())));
-  const int device = kv.device().index();
-  c10::cuda::CUDAGuard guard(kv.device());
-  // only where the call would run the Hopper kernel (the only user of the
-  // table) and TMA can describe the rows (16-byte aligned base and strides)
-  if (device_attn_info(device, dv, rope).kind != AttnKernel::kHopper) return at::Tensor();
-  auto tma_rows = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0;
-  };
-  if (!tma_rows(kv) || (kpe.has_value() && !tma_rows(*kpe))) return at::Tensor();
-  const stream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
-  if (capturing(stream)) return at::Tensor();  // (built, and used, outside captures only)
-  const BoundedLayout bl{kv.data_ptr(),  kv.stride(1), kv.stride(0), kv.size(1), kv.size(0), dv + rope,
-                         kpe.has_value() ? kpe->data_ptr() : nullptr,
-                         kpe.has_value() ? kpe->stride(1) : 0, kpe.has_value() ? kpe->stride(0) : 0,
-                         kpe.has_value() ? kpe->size(1) : 0, rope};
-  if (at::Tensor known = bounded_table_for(device, bl, stream); known.defined()) return known;
-  at::Tensor table = at::empty({(bl.rows + 1) * 256}, kv.options().dtype(at::kByte));
-  check_launch(build_bounded_maps_sm90(bl, table.data_ptr(), stream), "bounded TMA map table");
-  event_t built{};
-  check_launch(event_create(&built), "bounded TMA map table");
-  if (const char* e = event_record(built, stream)) {
-    event_destroy(built);
-    fail(std::string("bounded TMA map table failed: ") + e);
-  }
-  std::lock_guard<std::mutex> lock(bounded_mu);
-  bounded_tables.insert(bounded_tables.begin(), BoundedEntry{device, bl, table, stream, built});
-  // the oldest goes: its memory returns to the allocator once the streams
-  // that used it are past those uses (recordStream above)
-  if (bounded_tables.size() > kBoundedTables) {
-    event_destroy(bounded_tables.back().built);
-    bounded_tables.pop_back();
-  }
-  return table;
-}
-
-void release_cached() {
-  std::lock_guard<std::mutex> lock(bounded_mu);
-  for (const BoundedEntry& e : bounded_tables) event_destroy(e.built);
-  bounded_tables.clear();
-}
-
-int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {
-  if (s_q <= 0 || h_q <= 0) fail_value("plan_target_parts: s_q and h_q must be positive, got " + num(s_q) + ", " + num(h_q));
-  return plan_parts(1, s_q, h_q, device_attn_info(static_cast<int>(device))).first;
-}
-
-std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {
-  const DeviceAttnInfo& i = device_attn_info(static_cast<int>(device), dv, rope);
-  return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
-          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       static_cast<int64_t>(i.kind)};
-}
-
 }  // namespace mla::api
-
-TORCH_LIBRARY(mla_decode, m) {
-  m.def(
-      "attention(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
-      "float softmax_scale, bool causal, Tensor? kpe=None, int head_dim_v=512, Tensor? kpe_heads=None, "
-      "Tensor? plan=None, bool split=True) -> (Tensor, Tensor)");
-  m.def(
-      "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
-      "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None, int head_dim_v=512, "
-      "Tensor? kpe_heads=None, Tensor? plan=None, bool split=True) -> ()");
-  m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
-  m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity, bool split=True) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
-  m.impl("attention", &mla::api::attention);
-  m.impl("attention_out", &mla::api::attention_out);
-  m.impl("combine", &mla::api::combine);
-  m.impl("plan", &mla::api::plan);
-}

@@ -1,0 +1,51 @@
+// Shared by the attention stage's torch glue (attention_choice.cpp,
+// bounded_maps.cpp, attention_ops.cpp, combine_op.cpp) and nothing else:
+// which kernel runs and its per-device facts, the planner's sizes, and the
+// bounded TMA-map registry's lookup. The module's interface is ops.h.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include <torch/types.h>
+
+#include "../kernels/attention/attention.h"
+
+namespace mla::api::detail {
+
+// DeepSeek-V3: the shape device_attn_info defaults to (the one the plan op
+// plans for).
+constexpr int64_t kDv = 512, kRope = 64;
+
+// The shapes the portable kernel is built for (attention.h): index of (dv, rope) or -1.
+int shape_index(int64_t dv, int64_t rope);
+
+enum class AttnKernel { kPortable = 0, kHopper = 1 };
+
+struct DeviceAttnInfo {
+  AttnKernelInfo kernel{};
+  int sm_count = 0;
+  AttnKernel kind = AttnKernel::kPortable;
+};
+
+// Kernel facts and the SM/CU count, read once per device and shape (and
+// whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64).
+const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope,
+                                       bool rope_on_the_fly = false);
+
+// Parts wanted for one head block (from the SM count and the kernel's
+// residency) and the plan's capacity in parts, for bs sequences of s_q x h_q
+// rows: target_parts + bs, or bs for a plan that splits nothing (`split`
+// false; the two sizes differ, so the attention op tells the kinds apart).
+std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, const DeviceAttnInfo& info,
+                                       bool split = true);
+
+// Whether `stream` is capturing a graph (no bounded-map table is used or
+// built then: a graph would keep a table's address past its drop).
+bool capturing(stream_t stream);
+
+// The registered bounded-map table of this layout, made safe to read on
+// `stream`, or an undefined tensor.
+at::Tensor bounded_table_for(int device, const BoundedLayout& l, stream_t stream);
+
+}  // namespace mla::api::detail
