@@ -32,19 +32,6 @@ struct KvLayout {
   int64_t row_stride, page_stride, page_size, capacity, bt_stride;
 };
 
-// The kernels read rows in 16-byte pieces: a 16-byte aligned base and every
-// stride but the last a multiple of 8 elements (a slice of a wider buffer
-// often is not), checked before anything is launched.
-void check_rows_aligned(const at::Tensor& t, const char* name) {
-  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int64_t i = 0; i + 1 < t.dim(); ++i) ok = ok && (t.size(i) == 1 || t.stride(i) % 8 == 0);
-  if (!ok)
-    fail_value(std::string(name) + " must be 16-byte aligned: a base address on a 16-byte boundary and strides "
-               "that are multiples of 8 elements (a slice of a wider buffer often is not), got strides " +
-               list_str(t.strides()) + " at byte offset " +
-               num(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16)));
-}
-
 // kv holds rows of `width` columns (the key: d, or dv with per-head rope keys).
 KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_table, int64_t bs,
                   const at::Device& dev, at::ScalarType dtype, int64_t width) {
@@ -165,9 +152,9 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   check_contiguous(seqlens, "seqlens");
   check_shape(out, "out", {bs, s_q, h_q, dv}, ("[bs, s_q, h_q, " + num(dv) + "]").c_str());
   check_contiguous(out, "out");
-  if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0)
+  if (offset16(out) != 0)
     fail_value("out must be 16-byte aligned (the kernels write whole 16-byte rows), got a view at byte offset " +
-               num(static_cast<int64_t>(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16)) + " from 16-byte alignment");
+               num(offset16(out)) + " from 16-byte alignment");
   check_shape(lse, "lse", {bs, h_q, s_q}, "[bs, h_q, s_q]");
   check_contiguous(lse, "lse");
   if (per_head && (rope_cs.has_value() || kpe.has_value()))
@@ -209,13 +196,8 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    shape_str(kh));
     }
     // the rope-score kernel reads 16-byte vectors of kpe_heads rows and of q's rope columns
-    auto aligned = [](const at::Tensor& t, int dims) {
-      bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-      for (int i = 0; i < dims; ++i) ok = ok && t.stride(i) % 8 == 0;
-      return ok;
-    };
-    if (!aligned(kh, 3)) fail_value("kpe_heads must be 16-byte aligned with strides that are multiples of 8, got strides " + list_str(kh.strides()));
-    if (!aligned(q, 3)) fail_value("q must be 16-byte aligned with strides that are multiples of 8 (per-head rope keys), got strides " + list_str(q.strides()));
+    if (!rows_aligned16(kh)) fail_value("kpe_heads must be 16-byte aligned with strides that are multiples of 8, got strides " + list_str(kh.strides()));
+    if (!rows_aligned16(q)) fail_value("q must be 16-byte aligned with strides that are multiples of 8 (per-head rope keys), got strides " + list_str(q.strides()));
   }
   if (!(softmax_scale > 0.0)) fail_value("softmax_scale must be positive, got " + num(softmax_scale));
 

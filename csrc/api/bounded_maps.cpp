@@ -83,10 +83,7 @@ at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<
   // only where the call would run the Hopper kernel (the only user of the
   // table) and TMA can describe the rows (16-byte aligned base and strides)
   if (detail::device_attn_info(device, dv, rope).kind != detail::AttnKernel::kHopper) return at::Tensor();
-  auto tma_rows = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0;
-  };
-  if (!tma_rows(kv) || (kpe.has_value() && !tma_rows(*kpe))) return at::Tensor();
+  if (!rows_aligned16(kv) || (kpe.has_value() && !rows_aligned16(*kpe))) return at::Tensor();
   const stream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   if (detail::capturing(stream)) return at::Tensor();  // (built, and used, outside captures only)
   const BoundedLayout bl{kv.data_ptr(),  kv.stride(1), kv.stride(0), kv.size(1), kv.size(0), dv + rope,

@@ -4,6 +4,7 @@
 // RuntimeError in Python); nothing here exits.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,36 @@ inline void check_contiguous(const at::Tensor& t, const char* name) {
   if (!t.is_contiguous())
     fail_value(std::string(name) + " must be contiguous, got strides " + list_str(t.strides()) + " for shape " +
                shape_str(t));
+}
+
+// Byte offset of t's first element from a 16-byte boundary.
+inline int64_t offset16(const at::Tensor& t) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
+}
+
+// For rows_aligned16. kFree: a dimension of size 1 may have any stride (only
+// index 0 exists, so no address moves by it); kChecked: its stride meets the
+// rule too (a TMA map, for one, encodes every stride).
+enum class Size1Strides { kChecked, kFree };
+
+// The kernels read and write rows in 16-byte pieces: the base address on a
+// 16-byte boundary, every stride but the last a multiple of 8 elements (16
+// bytes: every caller holds bf16 or fp16) and the last stride 1. A slice of
+// a wider buffer often fails it.
+inline bool rows_aligned16(const at::Tensor& t, Size1Strides size1 = Size1Strides::kChecked) {
+  if (offset16(t) != 0) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i)
+    if (!(size1 == Size1Strides::kFree && t.size(i) == 1) && t.stride(i) % 8 != 0) return false;
+  return t.dim() == 0 || t.stride(-1) == 1;
+}
+
+// rows_aligned16 with size-1 strides free, raising before anything is
+// launched. The caller has checked the last dimension contiguous.
+inline void check_rows_aligned(const at::Tensor& t, const char* name) {
+  if (!rows_aligned16(t, Size1Strides::kFree))
+    fail_value(std::string(name) + " must be 16-byte aligned: a base address on a 16-byte boundary and strides "
+               "that are multiples of 8 elements (a slice of a wider buffer often is not), got strides " +
+               list_str(t.strides()) + " at byte offset " + num(offset16(t)));
 }
 
 inline void check_launch(const char* err, const char* what) {

@@ -28,13 +28,6 @@
 namespace mla::api {
 namespace {
 
-bool aligned16(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int64_t i = 0; i + 1 < t.dim(); ++i)
-    if (t.stride(i) % 8 != 0) return false;
-  return t.stride(-1) == 1;
-}
-
 void check_input(const at::Tensor& t, const char* name, const at::Device& dev, const std::vector<int64_t>& shape,
                  const std::string& shape_text, bool contiguous) {
   if (t.device() != dev) fail_value(std::string(name) + " must be on " + dev.str() + " (where x is), got " + t.device().str());
@@ -73,7 +66,7 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
   const int64_t max_len = cache.size(1);
   check_input(cache, "kv_cache.data", dev, {bs, max_len, r + rope},
               "[bs, max_seq_len, kv_lora_rank + rope]", false);
-  if (!aligned16(cache))
+  if (!rows_aligned16(cache))
     fail_value("kv_cache.data rows must be 16-byte aligned for the kernels (base address and strides multiples of 8 "
                "elements), got strides " + list_str(cache.strides()) + " at byte offset " +
                num(static_cast<int64_t>(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16)) +
@@ -109,7 +102,7 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
   at::Tensor q_lora_t = at::empty({bs, q_lora}, opts);
   at::Tensor kv_new = at::empty({bs, r + rope}, opts);
   bool own_down = false;
-  if ((want & kStepDownOwn) && bs <= 256 && aligned16(x2) && aligned16(w_qd) && aligned16(w_kvd)) {
+  if ((want & kStepDownOwn) && bs <= 256 && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
     GemmConfig c{};
     const GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
     if (gemm_sm90_config(p, &c) == nullptr) {
