@@ -32,10 +32,11 @@ from . import _ext
 
 __all__ = ["Settings", "settings", "reload_settings", "hopper", "sm_count", "attention_kernel", "gemm_path",
            "query_path", "blas_lt_path", "step_want", "STEP_DOWN_OWN", "STEP_QUERY_FUSED", "STEP_WO_LT",
-           "describe_step_paths"]
+           "STEP_GRAPH", "describe_step_paths"]
 
 # the decode step's paths (mla_decode._C.decode_step's `want` and its report)
 STEP_DOWN_OWN, STEP_QUERY_FUSED, STEP_WO_LT = 1, 2, 4
+STEP_GRAPH = 8  # reported only: the call replayed the step's captured graph
 
 
 @dataclass(frozen=True)
@@ -201,4 +202,5 @@ def describe_step_paths(bits: int) -> dict:
     """The decode step's paths as names (MLADecoder.last_paths)."""
     return dict(down="sm90 GEMM" if bits & STEP_DOWN_OWN else "vendor BLAS",
                 query="fused sm90 query" if bits & STEP_QUERY_FUSED else "vendor BLAS + rope_append",
-                wo="cuBLASLt" if bits & STEP_WO_LT else "vendor BLAS (PyTorch default)")
+                wo="cuBLASLt" if bits & STEP_WO_LT else "vendor BLAS (PyTorch default)",
+                launch="graph replay" if bits & STEP_GRAPH else "eager")

@@ -4,6 +4,7 @@ one, several threads, caches written by other kernels, unaligned views,
 bad block ids, and a long randomized soak with device memory flat."""
 
 import dataclasses
+import os
 import random
 import threading
 
@@ -303,3 +304,40 @@ def test_soak_mixed_calls_memory_flat():
     assert calls >= 2000
     seen.append(allocated())
     assert len(set(seen)) == 1, f"device memory moved (bytes allocated after calls 200, 700, 1400, 2100): {seen}"
+
+
+def test_repeated_steps_replay_and_read_everything_anew():
+    """Repeated calls on the same operands replay the step's captured graph:
+    every replay reads x, the weights and the cache as they are now, returns
+    a y of its own, and follows the caller's stream."""
+    mla_decode.release_cached()  # (no step captured by an earlier test)
+    config, x, kv = _inputs(bs=8, prefill=100, seed=21)
+    dec = mla_decode.MLADecoder(backend="kernels")
+    launches, kept = [], []
+    side = torch.cuda.Stream()
+    for step in range(6):
+        if step == 3:  # the cache written by another kernel, x rewritten in place
+            kv.data[:, :50].copy_(torch.randn_like(kv.data[:, :50]))
+            x.copy_(torch.randn_like(x))
+        ref = kv.clone()
+        if step == 4:  # another stream of the caller's
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                y, data = dec(config, x, kv)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            y, data = dec(config, x, kv)
+        launches.append(dec.last_paths["launch"])
+        y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
+        assert_task_rule(y, y_ref, f"y at step {step}")
+        assert_task_rule(data, data_ref, f"cache at step {step}")
+        kept.append((y, y.clone()))
+    for i, (y, y0) in enumerate(kept):
+        assert torch.equal(y, y0), f"the y of step {i} changed after later steps"
+    if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
+        assert launches == ["eager"] + ["graph replay"] * 5, launches
+    mla_decode.release_cached()
+    ref = kv.clone()
+    y, data = dec(config, x, kv)
+    assert dec.last_paths["launch"] == "eager"
+    assert_task_rule(y, ref_kernel((config, x, ref), batch_chunk=8)[0], "y after release_cached")

@@ -12,6 +12,7 @@
 #include "attention_internal.h"
 #include "checks.h"
 #include "ops.h"
+#include "step_graph.h"
 
 namespace mla::api {
 namespace {
@@ -111,6 +112,7 @@ at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<
 }
 
 void release_cached() {
+  release_step_graphs();
   std::lock_guard<std::mutex> lock(bounded_mu);
   for (const BoundedEntry& e : bounded_tables) event_destroy(e.built);
   bounded_tables.clear();

@@ -1,16 +1,16 @@
 // One decode step of the layer (custom_kernel's kernel path), checked and
 // enqueued from C++ in one call: down-projection, query (with its RoPE and
 // the cache append), attention over the cache with the keys' RoPE on the
-// fly, W_UV, wo. Nothing is kept between calls but the per-device kernel
-// facts and the attention's bounded-map tables (ops.cpp), so a call on new
-// weights or a new cache costs what a repeated one does, and a cache written
-// by anything else is read as it is. Which kernel runs each product is the
-// caller's choice (mla_decode/kernel_choice.py, `want`), taken where the
-// operands allow it; the return value says what ran.
+// fly, W_UV, wo. A call whose operands (addresses and layouts) repeat the
+// previous call's replays the step's captured graph (step_graph.h); every
+// call, replayed or not, reads the weights, x and the whole cache where they
+// lie, so weights updated in place and caches written by anything else are
+// read as they are now. Which kernel runs each product is the caller's
+// choice (mla_decode/kernel_choice.py, `want`), taken where the operands
+// allow it; the return value says what ran.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/mm.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,7 +23,9 @@
 #include "blas_lt.h"
 #include "checks.h"
 #include "ops.h"
+#include "../kernels/projections/rope_append.h"
 #include "projection_ops.h"
+#include "step_graph.h"
 
 namespace mla::api {
 namespace {
@@ -40,6 +42,93 @@ void check_input(const at::Tensor& t, const char* name, const at::Device& dev, c
   } else {
     check_last_dim_contiguous(t, name);
   }
+}
+
+// The stages on the current stream (the operands checked by decode_step).
+StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd, const at::Tensor& w_qu,
+                     const at::Tensor& w_kvu, const at::Tensor& w_o, const at::Tensor& cache, const at::Tensor& rope_cs,
+                     const std::vector<int64_t>& cfg, int64_t pos, int64_t want, bool fill_lengths) {
+  const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
+  const int64_t bs = x.size(0);
+  const at::Device dev = x.device();
+  const auto opts = x.options();
+  const at::Tensor x2 = x.view({bs, dim});
+  const at::Tensor w_kv3 = w_kvu.view({H, nope + v, r});
+  const at::Tensor w_uk = w_kv3.narrow(1, 0, nope);               // [H, nope, r]
+  const at::Tensor w_uv_t = w_kv3.narrow(1, nope, v).transpose(1, 2);  // [H, r, v]
+
+  // ---- 1-2. down-projections: q_lora and the new latent row (launched
+  // first: the host prepares the rest while it runs)
+  int64_t ran = 0;
+  at::Tensor q_lora_t = at::empty({bs, q_lora}, opts);
+  at::Tensor kv_new = at::empty({bs, r + rope}, opts);
+  bool own_down = false;
+  if ((want & kStepDownOwn) && bs <= 256 && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
+    GemmConfig c{};
+    const GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
+    if (gemm_sm90_config(p, &c) == nullptr) {
+      run_gemm(p, x2);
+      own_down = true;
+      ran |= kStepDownOwn;
+    }
+  }
+  if (!own_down) {
+    at::mm_out(q_lora_t, x2, w_qd.t());
+    at::mm_out(kv_new, x2, w_kvd.t());
+  }
+  // ---- 3-4. query: up-projection, W_UK absorption, RoPE of q_pe, the cache append
+  at::Tensor qbuf = at::empty({H, bs, r + rope}, opts);  // the attention's query, head-major
+  at::Tensor q_abs = qbuf.narrow(2, 0, r);
+  at::Tensor q_rot = qbuf.narrow(2, r, rope).transpose(0, 1);  // [bs, H, rope]: q_pe rotated
+  const stream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const at::Tensor seqlens = at::empty({bs}, opts.dtype(at::kInt));  // every sequence's length: pos + 1
+  if (fill_lengths)
+    check_launch(launch_fill_i32(seqlens.data_ptr<int32_t>(), static_cast<int>(bs), static_cast<int32_t>(pos + 1),
+                                 stream),
+                 "length fill");
+  c10::optional<QueryParams> query;
+  if (want & kStepQueryFused) {
+    QueryParams p = query_params(q_lora_t, w_qu, w_uk, q_abs, q_rot, true, kv_new, seqlens, rope_cs, cache,
+                                 c10::nullopt);
+    if (query_sm90_check(p) == nullptr) query = p;
+  }
+  if (query) {
+    check_launch(launch_query_sm90(*query, stream), "fused query launch");
+    ran |= kStepQueryFused;
+  } else {
+    at::Tensor q = at::empty({bs, H, nope + rope}, opts);
+    at::Tensor q2 = q.view({bs, H * (nope + rope)});
+    at::mm_out(q2, q_lora_t, w_qu.t());
+    at::bmm_out(q_abs, q.narrow(2, 0, nope).transpose(0, 1), w_uk);
+    rope_append(q.narrow(2, nope, rope), kv_new, seqlens, rope_cs, q_rot, const_cast<at::Tensor&>(cache),
+                c10::nullopt);
+  }
+  // ---- 5. attention over the cache, the keys rotated on the fly; one part per
+  // sequence (no combine) where the planner could not split a batch of one length anyway
+  attention_bounded_register(cache, c10::nullopt, r);  // (once per cache layout; see bounded_maps.cpp)
+  at::Tensor o_lat = at::empty({bs, 1, H, r}, opts);
+  at::Tensor lse = at::empty({bs, H, 1}, opts.dtype(at::kFloat));
+  const bool split = bs < plan_target_parts(dev.index(), 1, H);
+  attention_out(qbuf.transpose(0, 1).unsqueeze(1), cache, seqlens, c10::nullopt, rope_cs,
+                1.0 / std::sqrt(static_cast<double>(nope + rope)), false, o_lat, lse, c10::nullopt, r, c10::nullopt,
+                c10::nullopt, split);
+  // ---- 6. W_UV per head, then wo
+  at::Tensor obuf = at::empty({bs, H, v}, opts);
+  at::Tensor obuf_t = obuf.transpose(0, 1);
+  at::bmm_out(obuf_t, o_lat.view({bs, H, r}).transpose(0, 1), w_uv_t);
+  at::Tensor y = at::empty({bs, 1, dim}, opts);
+  at::Tensor y2 = y.view({bs, dim});
+  const at::Tensor o2 = obuf.view({bs, H * v});
+  if ((want & kStepWoLt) && gemm_nt_lt(o2, w_o, y2))
+    ran |= kStepWoLt;
+  else
+    at::mm_out(y2, o2, w_o.t());
+  StepOut out;
+  out.y = y;
+  out.ran = ran;
+  out.lens = seqlens.data_ptr<int32_t>();
+  out.n = static_cast<int>(bs);
+  return out;
 }
 
 }  // namespace
@@ -90,75 +179,15 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
   // no autograd on the way (weights may be nn.Parameters): outputs are plain
   // tensors (inference tensors under torch.inference_mode, as any op's)
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const auto opts = x.options();
-  const at::Tensor x2 = x.view({bs, dim});
-  const at::Tensor w_kv3 = w_kvu.view({H, nope + v, r});
-  const at::Tensor w_uk = w_kv3.narrow(1, 0, nope);               // [H, nope, r]
-  const at::Tensor w_uv_t = w_kv3.narrow(1, nope, v).transpose(1, 2);  // [H, r, v]
-
-  // ---- 1-2. down-projections: q_lora and the new latent row (launched
-  // first: the host prepares the rest while it runs)
-  int64_t ran = 0;
-  at::Tensor q_lora_t = at::empty({bs, q_lora}, opts);
-  at::Tensor kv_new = at::empty({bs, r + rope}, opts);
-  bool own_down = false;
-  if ((want & kStepDownOwn) && bs <= 256 && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
-    GemmConfig c{};
-    const GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
-    if (gemm_sm90_config(p, &c) == nullptr) {
-      run_gemm(p, x2);
-      own_down = true;
-      ran |= kStepDownOwn;
-    }
-  }
-  if (!own_down) {
-    at::mm_out(q_lora_t, x2, w_qd.t());
-    at::mm_out(kv_new, x2, w_kvd.t());
-  }
-  // ---- 3-4. query: up-projection, W_UK absorption, RoPE of q_pe, the cache append
-  at::Tensor qbuf = at::empty({H, bs, r + rope}, opts);  // the attention's query, head-major
-  at::Tensor q_abs = qbuf.narrow(2, 0, r);
-  at::Tensor q_rot = qbuf.narrow(2, r, rope).transpose(0, 1);  // [bs, H, rope]: q_pe rotated
-  const at::Tensor seqlens = at::full({bs}, pos + 1, opts.dtype(at::kInt));
-  const stream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
-  c10::optional<QueryParams> query;
-  if (want & kStepQueryFused) {
-    QueryParams p = query_params(q_lora_t, w_qu, w_uk, q_abs, q_rot, true, kv_new, seqlens, rope_cs, cache,
-                                 c10::nullopt);
-    if (query_sm90_check(p) == nullptr) query = p;
-  }
-  if (query) {
-    check_launch(launch_query_sm90(*query, stream), "fused query launch");
-    ran |= kStepQueryFused;
-  } else {
-    at::Tensor q = at::empty({bs, H, nope + rope}, opts);
-    at::Tensor q2 = q.view({bs, H * (nope + rope)});
-    at::mm_out(q2, q_lora_t, w_qu.t());
-    at::bmm_out(q_abs, q.narrow(2, 0, nope).transpose(0, 1), w_uk);
-    rope_append(q.narrow(2, nope, rope), kv_new, seqlens, rope_cs, q_rot, const_cast<at::Tensor&>(cache),
-                c10::nullopt);
-  }
-  // ---- 5. attention over the cache, the keys rotated on the fly; one part per
-  // sequence (no combine) where the planner could not split a batch of one length anyway
-  attention_bounded_register(cache, c10::nullopt, r);  // (once per cache layout; see ops.cpp)
-  at::Tensor o_lat = at::empty({bs, 1, H, r}, opts);
-  at::Tensor lse = at::empty({bs, H, 1}, opts.dtype(at::kFloat));
-  const bool split = bs < plan_target_parts(dev.index(), 1, H);
-  attention_out(qbuf.transpose(0, 1).unsqueeze(1), cache, seqlens, c10::nullopt, rope_cs,
-                1.0 / std::sqrt(static_cast<double>(nope + rope)), false, o_lat, lse, c10::nullopt, r, c10::nullopt,
-                c10::nullopt, split);
-  // ---- 6. W_UV per head, then wo
-  at::Tensor obuf = at::empty({bs, H, v}, opts);
-  at::Tensor obuf_t = obuf.transpose(0, 1);
-  at::bmm_out(obuf_t, o_lat.view({bs, H, r}).transpose(0, 1), w_uv_t);
-  at::Tensor y = at::empty({bs, 1, dim}, opts);
-  at::Tensor y2 = y.view({bs, dim});
-  const at::Tensor o2 = obuf.view({bs, H * v});
-  if ((want & kStepWoLt) && gemm_nt_lt(o2, w_o, y2))
-    ran |= kStepWoLt;
-  else
-    at::mm_out(y2, o2, w_o.t());
-  return {y, ran};
+  StepKey key;
+  key.device = dev.index();
+  for (const at::Tensor* t : {&x, &w_qd, &w_kvd, &w_qu, &w_kvu, &w_o, &cache, &rope_cs}) key.add(*t);
+  for (int64_t c : cfg) key.add(c);
+  key.add(want);
+  const StepOut out = run_step(key, static_cast<int32_t>(pos + 1), [&](bool fill_lengths) -> StepOut {
+    return enqueue_step(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, rope_cs, cfg, pos, want, fill_lengths);
+  });
+  return {out.y, out.ran};
 }
 
 }  // namespace mla::api

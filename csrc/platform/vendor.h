@@ -71,6 +71,12 @@ inline const char* stream_wait_event(stream_t stream, event_t e) {
 }
 inline void event_destroy(event_t e) { (void)MLA_RT(EventDestroy)(e); }
 
+// ---- graphs (the decode step's replay cache, csrc/api/step_graph.cpp)
+using graph_exec_t = MLA_RT(GraphExec_t);
+inline const char* graph_launch(graph_exec_t exec, stream_t stream) {
+  return error_or_null(MLA_RT(GraphLaunch)(exec, stream));
+}
+
 // Wait for everything enqueued on the current device. Error string or nullptr.
 inline const char* device_synchronize() { return error_or_null(MLA_RT(DeviceSynchronize)()); }
 
@@ -159,7 +165,8 @@ constexpr int kWarpSize = 32;
 #endif
 
 // Thread and block indices through builtins: on AMD this keeps the device-only
-// compile free of library calls (see DESIGN.md), on NVIDIA it is the usual.
+// compile free of device-library calls (CI's gfx942 compile links none), on
+// NVIDIA it is the usual.
 MLA_DEVICE int thread_x() {
 #if MLA_AMD
   return __builtin_amdgcn_workitem_id_x();
