@@ -303,7 +303,11 @@ def test_soak_mixed_calls_memory_flat():
     g = None
     assert calls >= 2000
     seen.append(allocated())
-    assert len(set(seen)) == 1, f"device memory moved (bytes allocated after calls 200, 700, 1400, 2100): {seen}"
+    # bounded: at most 4 captured steps, each keeping its y (their sizes differ, so the total moves
+    # as one replaces another); release_cached() gives back what they hold
+    assert max(seen) - min(seen) < 16 << 20, f"device memory grew (after calls 200, 700, 1400, 2100): {seen}"
+    mla_decode.release_cached()  # (the soak repeats operands often enough that some steps are captured)
+    assert allocated() < seen[-1], f"release_cached() freed nothing: {allocated()} bytes against {seen[-1]}"
 
 
 def test_repeated_steps_replay_and_read_everything_anew():
