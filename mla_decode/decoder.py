@@ -12,12 +12,15 @@ Two backends:
   W_UV applied after attention), wherever the kernels are not built or not
   usable (the CPU included) or the sizes are not the kernels'.
 
-Nothing derived from a call's inputs is kept: every call reads the weights
-and the whole cache where they lie (so weights updated in place, new weight
-tensors, caches written by other kernels, graph replays or other threads
-are all read as they are now). The only state is per device and bounded:
-the RoPE table (128 bytes per position) and the attention's map tables
-(ops.cpp, four per process); ``release_cached()`` drops both.
+Every call reads the weights and the whole cache where they lie (so
+weights updated in place, caches written by other kernels, graph replays or
+other threads are all read as they are now). A call whose operands repeat
+the previous call's (addresses, layouts, sizes) replays the step captured as
+a CUDA graph (csrc/api/step_graph.cpp): the same work without the host's
+launches. The state kept is bounded: at most four captured steps per
+process, the RoPE table per device (128 bytes per position) and the
+attention's map tables (bounded_maps.cpp, four per process);
+``release_cached()`` drops them all.
 """
 
 from __future__ import annotations
@@ -59,8 +62,9 @@ def rope_tables(device, rope, positions):
 
 
 def release_cached() -> None:
-    """Drop every piece of state the package keeps (the RoPE tables and the
-    attention's map tables); the next call builds what it needs again."""
+    """Drop every piece of state the package keeps (the captured steps, the
+    RoPE tables and the attention's map tables); the next calls build what
+    they need again."""
     with _lock:
         _rope_tables.clear()
     if _ext.kernels_built():
