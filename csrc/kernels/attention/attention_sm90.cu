@@ -413,10 +413,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // length-bounded maps (bnd_kv: their row extent is the length, so the TMA
   // unit writes zeros past it); otherwise a partial half goes by cp.async,
   // which zero-fills the rows past the length, and an empty half loads nothing.
-  // (Measured on an H200: spreading the boxes of small pages over threads
-  // 0..64/rows-1, with the rope block of rope < 64 by cp.async next to TMA,
-  // cut block 16 from 510 to 447 us but made the 64-row path 8% slower, e.g.
-  // L 6145 470 -> 509 us; not kept.)
+  // (Thread 0 issues the boxes of small pages too: spreading them over threads
+  // helps small pages but slows the common 64-row path; docs/not_kept.md.)
   auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf;
     const bool full = key0 + T::kHalf <= L;
@@ -580,8 +578,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
     // First the blocks the loading warpgroup released after its FIRST P V of
     // the previous pair (loaded early), then the rest: warpgroup 0 reads K0
-    // blocks [0, kHB) first, warpgroup 1 K1 blocks [kHB, kNB) first (measured:
-    // 1% over taking K1 in block order, the late-loaded part first).
+    // blocks [0, kHB) first, warpgroup 1 K1 blocks [kHB, kNB) first (in block
+    // order warpgroup 1 would start on K1's late-loaded part and wait for it).
     wg::mbar_wait(mbar(jp, w1 ? kMbK1b : kMbK0a), par);
     wg::fence_proxy_async();
     wg::fence();
@@ -646,8 +644,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   }
   // The tail: a last pair holding ONE key (L mod 128 = 1: every task length)
   // is not run through the pair loop, whose matrix products, loads and
-  // barriers cost a full pair's time for it (measured: 9-11 us per block of
-  // two items at L 513, against 3-7 for FlashMLA). Its row is read in the
+  // barriers cost a full pair's time for it. Its row is read in the
   // prologue, warpgroup 1 computes its scores there (Q is in shared memory
   // until the last pair prefetches the next item's), and after the loop
   // both warpgroups add it to their O columns on the CUDA cores: one more
@@ -782,11 +779,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   using W0 = std::integral_constant<bool, false>;
   using W1 = std::integral_constant<bool, true>;
   // At dv 512 each warpgroup's loop starts at jp = -1, which only issues
-  // pair 0's S: one copy of the S code per warpgroup serves every pair. (A
-  // separate copy for an item's first S was ~460 more instructions fetched
-  // at every work item; measured on an H200: L 513 93-95 -> 85-87 us. At dv
-  // 128/256 the same loop took 14-20 more registers and ran 2-7% slower, so
-  // they keep the separate first S.)
+  // pair 0's S: one copy of the S code per warpgroup serves every pair, so
+  // no separate first-S code is fetched cold at every work item. At dv
+  // 128/256 the shared loop costs registers and time, so they keep the
+  // separate first S.
   constexpr bool kLoopS = kDv == 512;
   constexpr int kFirst = kLoopS ? -1 : 0;
   if (wg == 0) {
@@ -800,9 +796,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       const bool refill = jp >= 0 && jp + kStages < npairs;  // pair jp + kStages loads into this pair's buffers
       if (kLoopS) wg::wait<0>();  // (nothing in flight; ptxas needs to see it at the top of the loop, else C7515)
       if (jp >= 0) {
-      // Taking the next item early and prefetching its Q: at dv 512 only (the
-      // extra code in the loop made dv 128/256 2-3% slower, measured on an
-      // H200; they take the next item in the epilogue and Q in the prologue)
+      // Taking the next item early and prefetching its Q: at dv 512 only (at
+      // dv 128/256 the extra code in the loop costs more than it hides; they
+      // take the next item in the epilogue and Q in the prologue)
       if (kDv == 512 && t == 0) {  // (the atomic's and the read's latencies pass under a pair)
         if (jp == max(npairs - 2, 0)) next_item = grab();
         if (!more) next_b = item_seq(next_item);
@@ -896,7 +892,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       // Nothing is in flight here (the last wait was wait<0>), but without
       // this ptxas (CUDA 13.0) cannot see it across the work-item loop and
       // serializes every wgmma of the kernel (C7515). (Here rather than at the
-      // top of the pair: measured 0-2% faster.)
+      // top of the pair: the faster of the two places.)
       wg::wait<0>();
       softmax_step<kF16>(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       store_p(p_mine(jp), pa, r0, r1, t4);
@@ -1105,8 +1101,8 @@ TmaMaps make_maps(const AttnParams& p) {
 // The bounded-map table (AttnParams.bmaps): slot L holds the cache's map and
 // kpe's map of make_maps with their row extent cut to L, so that the TMA
 // unit reads a sequence's last, partial key half with the rows past its
-// length as zeros (measured on an H200 before: such a half by cp.async cost
-// ~3-4.5 us per call more than a whole one by TMA at every task prefill).
+// length as zeros (by cp.async such a half costs more than a whole one by
+// TMA).
 // One thread per length: the template's 128 bytes, then its row extent.
 __global__ void build_bounded_maps_kernel(const __grid_constant__ CUtensorMap kv_t,
                                           const __grid_constant__ CUtensorMap kpe_t, int with_kpe,

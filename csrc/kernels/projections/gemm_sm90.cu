@@ -115,8 +115,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // steady state: wait until `group` slots are free, then request their k
       // blocks back to back. Block j takes slot j % stages; its empty wait's
       // parity is (j / stages - 1) & 1. Both are carried from block to block
-      // (no division in the loop: this one thread's dependent integer
-      // divisions had made it ~480 cycles per k block, measured)
+      // (no division in the loop: on this one thread, dependent integer
+      // divisions by the runtime stage count make a long chain per k block)
       int slot = 0;
       uint32_t par = 0;  // of block j = pro (pro == stages whenever pro < nk)
       for (int i = pro; i < nk; i += group) {
@@ -185,9 +185,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // thread reads the S partials of two owned pieces at a time, all 2 S loads
   // issued before the first sum, and adds them in rank order: the sum does
   // not depend on which block makes it. (Summing from the registers for the
-  // own partial and loading the others one piece and split at a time left
-  // ~S x pieces dependent L2 round trips per thread; through distributed
-  // shared memory the sum had taken ~6 us of a 17-23 us kernel.)
+  // own partial and loading the others one piece and split at a time would
+  // leave ~S x pieces dependent L2 round trips per thread; a sum through
+  // distributed shared memory costs a large share of the kernel.)
   constexpr int kJJ = kBM / 8;  // pieces per 64-row slice
   const int jlo = rank * kJJ / splits, jhi = (rank + 1) * kJJ / splits;
   const int lane = tid & 31, warp = (tid & 127) >> 5;
@@ -401,8 +401,8 @@ const char* plan(const GemmParams& p, Plan* out) {
       if (act < 1) continue;
       const int64_t waves = (units + act - 1) / act;
       // the share of SM time that holds a block (one block per SM), less a
-      // little per extra wave; ties go to the narrower tile (measured: deeper
-      // pipeline), then to fewer splits
+      // little per extra wave; ties go to the narrower tile (its smaller
+      // stages make a deeper pipeline), then to fewer splits
       const double score = static_cast<double>(units * s) / static_cast<double>(waves * sms) -
                            0.05 * static_cast<double>(waves - 1) - (mw == 2 ? 0.01 : 0.0) - 0.001 * s;
       if (score > best) {

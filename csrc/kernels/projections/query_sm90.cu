@@ -9,18 +9,18 @@
 // slot's rows beyond hold stale data and reach only output rows >= m, which
 // are not stored). A slot holds W_qu[h]'s k block (24 KB)
 // and q_lora's, 64 rows per warpgroup with rows (8 or 16 KB): the ring is as
-// deep as shared memory allows (measured on an H200, bs 1: 5 slots 30.5 us,
-// 4 32.9, 3 34.4, 2 39.6; the blocks stream at the depth of their rings).
+// deep as shared memory allows: a block streams its weights only as fast as
+// its ring's depth lets it.
 // Phase 2: the nope accumulators, rounded to bf16, are packed in registers as
 // the A operand of q_abs[m, r] = q_nope W_UK[h] (the accumulator layout is the
 // A layout, as in attention's P V), and W_UK[h] streams through the same ring
 // after the last k block, 128 columns of r per slot (MN-major B). Each
 // 128-column piece of q_abs is rounded into a shared-memory tile of its
-// warpgroup and written as 16-byte pieces (measured on an H200 at bs 128:
-// storing the accumulators' 4-byte pairs straight to memory made the kernel
-// 15 us slower than at bs 1; every block stores at the same time, at the
-// end). The tiles lie in the one slot phase 2 never fills (load nl's slot)
-// when the ring has more slots than phase 2 takes, else after the ring.
+// warpgroup and written as 16-byte pieces: every block stores at the same
+// time, at the end, and at large batches the accumulators' 4-byte pairs
+// stored straight to memory would be the kernel's cost. The tiles lie in
+// the one slot phase 2 never fills (load nl's slot) when the ring has more
+// slots than phase 2 takes, else after the ring.
 // With pdl, the weights of the first `stages` slots are requested before
 // griddepcontrol.wait: they do not depend on the previous kernel, q_lora does.
 // With append (query.h), q_pe is rotated as it is stored, and a tenth warp
@@ -63,9 +63,8 @@ struct QueryMaps {
 // `lane` 0-31): cache[b, pos] = kv_new[b] and kpe_out[b, pos] =
 // rot(kv_new[b, width - rope:]), pos = seqlens[b] - 1 (none outside the
 // cache). Each lane's loads are issued before its stores: 16-byte pieces
-// where the rows allow (a one-element-per-lane loop of dependent loads and
-// stores sharing the producer's warp had made the kernel ~8 us slower at bs
-// 128, measured on an H200).
+// where the rows allow, in a warp of its own (a one-element-per-lane loop of
+// dependent loads and stores in the producer's warp starves its TMA lane).
 MLA_DEVICE void append_rows(const RopeAppendParams& ra, int b0, int step, int lane) {
   pdl_wait();  // kv_new is the previous kernel's output
   constexpr int half = kRope / 2;
@@ -353,8 +352,8 @@ const char* launch_query_sm90(const QueryParams& p, stream_t stream) {  // p as 
   const Layout l = layout(p.m, p.k, p.r, smem_max);
   QueryMaps maps{};
   // q_lora's box: its rows rounded up to 8 (a swizzle atom), not the slot's 64 per warpgroup: rows in between
-  // hold whatever the slot held and only reach output rows >= m, which are not stored (measured on an H200:
-  // at bs 1 a 128-row box, nearly all zero fill, cost ~4 us of a 30 us kernel)
+  // hold whatever the slot held and only reach output rows >= m, which are not stored (at small batches a box
+  // of the slot's rows would be nearly all zero fill, and the fill is not free)
   const int xrows = (p.m + 7) / 8 * 8;
   if (!encode_rows(&maps.x, p.q_lora, p.k, p.m, 1, p.q_lora_stride, p.q_lora_stride * p.m, xrows, true))
     return "query_sm90: TMA cannot describe q_lora";
