@@ -1,0 +1,362 @@
+"""Decode context parallelism (DCP) for the serving API: every sequence's
+latent cache split across the N ranks of a process group, each rank attends
+over its own keys, and the partial results are merged by their LSE.
+
+MLA has one latent KV head, so head-sharded tensor parallelism (tp.py) keeps
+the whole cache on every rank; DCP keeps 1/N of every sequence's tokens per
+rank instead (issue 34). The pieces:
+
+- ``merge_attention_states(outs, lses)``: merge N partial (out, lse) pairs of
+  the same queries over disjoint key sets (plain PyTorch, fp32 math).
+- ``dcp_local_lengths`` / ``dcp_global_positions`` / ``dcp_shard_cache``:
+  which tokens a rank holds under the two layouts, and a rank's paged cache
+  built from a full one (for tests and for migrating a cache).
+- ``dcp_attention(q, k_cache_local, block_table_local, seqlens_local, dv,
+  scale, group=...)``: local attention, one all-gather of (out, lse) over the
+  group (torch.distributed: NCCL/RCCL on GPUs, gloo on the CPU), merge; every
+  rank returns the full (out, lse).
+
+Layouts (N = world, r = rank, L = a sequence's length, C = ``chunk``):
+
+- ``"interleaved"`` (default; vLLM's layout): token t lives on rank
+  (t // C) mod N, C defaulting to 1 (token t on rank t mod N; C plays the role
+  of vLLM's interleave size). Rank r's local position j holds global token
+  (j // C) * N * C + r * C + j % C. Appending a token never moves others.
+- ``"contiguous"``: rank r holds tokens [r * C, min((r + 1) * C, L)). With
+  ``chunk=None`` C = ceil(L / N) per sequence (the sequence cut into N
+  consecutive chunks, the last ones shorter or empty): suited to a cache
+  split once, since C and so every boundary moves as L grows. With
+  ``chunk=C`` given the boundaries are fixed (rank 0 fills first, then rank
+  1, ...), and a length above N * C raises ValueError.
+
+The attention is a sum over keys, so the merged result does not depend on
+which rank holds which token: dcp_attention takes no layout. It uses keys as
+stored (no on-the-fly RoPE, no ``rope_cs``: a key's rotation would need its
+global position) and supports s_q = 1, or s_q > 1 without causal masking
+(causal masking compares positions, and a rank's local positions are not
+global positions).
+
+Verified on the CPU only (gloo, 2 and 3 processes, the PyTorch backend:
+tests/test_dcp.py). The GPU path runs the same code with the kernels
+(mla_attention with a block table) and NCCL; its test needs 2 GPUs and has
+not run yet. See docs/multi_gpu.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._ext import kernels_usable, require_kernels
+
+__all__ = ["merge_attention_states", "dcp_local_lengths", "dcp_global_positions", "dcp_shard_cache",
+           "dcp_attention", "DCP_LAYOUTS"]
+
+DCP_LAYOUTS = ("interleaved", "contiguous")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------- merge
+
+def merge_attention_states(outs, lses):
+    """Merge N partial attention results of the same queries over disjoint
+    key sets.
+
+    outs: [N, b, s_q, h_q, dv] (any float dtype; or a list/tuple of N tensors
+    [b, s_q, h_q, dv]), each partial normalised over its own keys; lses:
+    [N, b, h_q, s_q] fp32 (or a list of N [b, h_q, s_q]), natural log, -inf
+    for a partial that saw no key. Returns (out [b, s_q, h_q, dv] in outs'
+    dtype, lse [b, h_q, s_q] fp32):
+
+        lse = logsumexp_r lse_r,   out = sum_r exp(lse_r - lse) * out_r
+
+    computed in fp32 (float64 when outs are float64). Where every lse_r is
+    -inf the result is out 0 and lse -inf, never NaN; a partial whose lse is
+    -inf contributes nothing, whatever its out holds."""
+    outs = _stack(outs, "outs")
+    lses = _stack(lses, "lses")
+    if outs.dtype not in _FLOATS:
+        raise TypeError(f"outs must be a float tensor (float16, bfloat16, float32, float64), got {outs.dtype}")
+    if lses.dtype != torch.float32:
+        raise TypeError(f"lses must be float32 (natural log), got {lses.dtype}")
+    if outs.device != lses.device:
+        raise ValueError(f"outs and lses must be on one device, got {outs.device} and {lses.device}")
+    if outs.dim() != 5:
+        raise ValueError(f"outs must have shape [N, b, s_q, h_q, dv], got {list(outs.shape)}")
+    n, b, s_q, h_q, _ = outs.shape
+    if tuple(lses.shape) != (n, b, h_q, s_q):
+        raise ValueError(f"lses must have shape [N, b, h_q, s_q] = {[n, b, h_q, s_q]} to match outs "
+                         f"{list(outs.shape)}, got {list(lses.shape)}")
+    if n == 0:
+        raise ValueError("nothing to merge: N = 0 partials")
+    acc = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    lse_r = lses.to(acc)
+    m = lse_r.amax(dim=0)                                            # [b, h_q, s_q]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # all -inf: any finite shift
+    w = torch.exp(lse_r - m)                                         # 0 for a -inf partial
+    total = w.sum(dim=0)
+    lse = torch.where(total > 0, m + torch.log(torch.where(total > 0, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf")))
+    scale = w / torch.where(total > 0, total, torch.ones_like(total))  # [N, b, h_q, s_q]
+    scale = scale.transpose(-1, -2).unsqueeze(-1)                    # [N, b, s_q, h_q, 1]
+    contrib = torch.where(scale > 0, scale * outs.to(acc), torch.zeros((), dtype=acc, device=outs.device))
+    return contrib.sum(dim=0).to(outs.dtype), lse.to(torch.float32)
+
+
+def _stack(x, name):
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise ValueError(f"{name}: nothing to merge (an empty list)")
+        if not all(isinstance(t, torch.Tensor) for t in x):
+            raise TypeError(f"{name} must be a tensor or a list of tensors")
+        first = x[0]
+        for i, t in enumerate(x):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(f"{name}[{i}] is {t.dtype} {list(t.shape)} on {t.device}, {name}[0] is "
+                                 f"{first.dtype} {list(first.shape)} on {first.device}: they must agree")
+        return torch.stack(list(x))
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or a list of tensors, got {type(x).__name__}")
+    return x
+
+
+# ---------------------------------------------------------------------------- layouts
+
+def _check_layout(rank, world, layout, chunk):
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
+    if layout not in DCP_LAYOUTS:
+        raise ValueError(f"layout must be one of {DCP_LAYOUTS}, got {layout!r}")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be None or a positive int, got {chunk!r}")
+
+
+def dcp_local_lengths(seqlens, rank: int, world: int, layout: str = "interleaved", chunk=None):
+    """How many tokens of each sequence rank ``rank`` of ``world`` holds.
+
+    seqlens: [b] integer tensor (any device; or a list of ints) of full
+    lengths. Returns [b] int32 on seqlens' device (no host synchronisation).
+    interleaved (C = chunk or 1): L // (N C) * C + clamp(L % (N C) - r C, 0, C);
+    contiguous (C = chunk or ceil(L / N)): clamp(L - r C, 0, C), and with
+    ``chunk`` given a length above N * C raises ValueError (a check that
+    reads the lengths on the host). The counts of the N ranks sum to L."""
+    _check_layout(rank, world, layout, chunk)
+    if not isinstance(seqlens, torch.Tensor):
+        seqlens = torch.tensor(list(seqlens), dtype=torch.int64)
+    if seqlens.dim() != 1 or seqlens.dtype.is_floating_point or seqlens.dtype.is_complex or seqlens.dtype == torch.bool:
+        raise TypeError(f"seqlens must be a 1-D integer tensor [b], got {seqlens.dtype} {list(seqlens.shape)}")
+    L = seqlens.to(torch.int64)
+    if layout == "interleaved":
+        c = chunk or 1
+        period = world * c
+        local = L // period * c + (L % period - rank * c).clamp(0, c)
+    else:
+        if chunk is None:
+            c = (L + world - 1) // world
+        else:
+            c = torch.full_like(L, chunk)
+            if bool((L > world * chunk).any()):
+                raise ValueError(f"contiguous layout with chunk={chunk} holds at most world * chunk = "
+                                 f"{world * chunk} tokens per sequence, got a length of {int(L.max())}")
+        local = (L - rank * c).clamp(min=0)
+        local = torch.minimum(local, c)
+    return local.to(torch.int32)
+
+
+def dcp_global_positions(length: int, rank: int, world: int, layout: str = "interleaved", chunk=None):
+    """The global token positions rank ``rank`` holds of a sequence of
+    ``length`` tokens, in local order: an int64 tensor on the CPU whose
+    entry j is the position of the rank's local token j (see the module
+    docstring for the rules)."""
+    _check_layout(rank, world, layout, chunk)
+    length = int(length)
+    if length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    n = int(dcp_local_lengths(torch.tensor([length]), rank, world, layout, chunk)[0])
+    j = torch.arange(n, dtype=torch.int64)
+    if layout == "interleaved":
+        c = chunk or 1
+        return j // c * world * c + rank * c + j % c
+    c = chunk if chunk is not None else (length + world - 1) // world
+    return rank * c + j
+
+
+def dcp_shard_cache(k_cache, block_table, seqlens, rank: int, world: int, layout: str = "interleaved", chunk=None,
+                    page_block_size=None):
+    """Rank ``rank``'s share of a full paged cache, as a new compact paged cache.
+
+    k_cache: [num_blocks, page, (1,) d] (FlashMLA's layout, or without the
+    head dimension); block_table: [b, max_blocks] int32; seqlens: [b] int
+    (full lengths). Returns (k_cache_local, block_table_local,
+    seqlens_local): k_cache_local [num_local_blocks, page_block_size, (1,)
+    d] (same dtype, device and trailing dimensions as k_cache; page size
+    defaults to k_cache's), holding rank's tokens of each sequence in local
+    order (``dcp_global_positions``), sequence after sequence in fresh
+    blocks 0, 1, 2, ...; block_table_local [b, max(1, most local blocks)]
+    int32 (unused slots 0); seqlens_local [b] int32 on seqlens' device. Rows
+    past a sequence's local length are zero; at least one block is made, so
+    the cache is never empty. Copies (a Python loop over the sequences): for
+    tests and for migrating a cache once, not for a decode step."""
+    _check_layout(rank, world, layout, chunk)
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() not in (3, 4):
+        raise ValueError("k_cache must be [num_blocks, page_block_size, (1,) d], got "
+                         f"{list(getattr(k_cache, 'shape', []))}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise TypeError("block_table must be an int32 tensor [b, max_blocks], got "
+                        f"{getattr(block_table, 'dtype', type(block_table))} {list(getattr(block_table, 'shape', []))}")
+    page = k_cache.shape[1]
+    lp = page if page_block_size is None else int(page_block_size)
+    if lp < 1:
+        raise ValueError(f"page_block_size must be >= 1, got {page_block_size}")
+    if not isinstance(seqlens, torch.Tensor):
+        seqlens = torch.tensor(list(seqlens), dtype=torch.int32)
+    if seqlens.dim() != 1 or seqlens.shape[0] != block_table.shape[0]:
+        raise ValueError(f"seqlens must be [b] with b = {block_table.shape[0]} (block_table's rows), "
+                         f"got {list(seqlens.shape)}")
+    lens = [int(v) for v in seqlens.tolist()]
+    if any(L < 0 for L in lens):
+        raise ValueError(f"seqlens must be >= 0, got {lens}")
+    for i, L in enumerate(lens):
+        if L > block_table.shape[1] * page:
+            raise ValueError(f"sequence {i} has length {L} but its block table row holds "
+                             f"{block_table.shape[1]} blocks of {page} = {block_table.shape[1] * page} tokens")
+    local_lens = dcp_local_lengths(seqlens.cpu(), rank, world, layout, chunk).tolist()
+    nblocks = [(n + lp - 1) // lp for n in local_lens]
+    total = max(1, sum(nblocks))
+    trail = k_cache.shape[2:]
+    out = torch.zeros((total, lp) + tuple(trail), dtype=k_cache.dtype, device=k_cache.device)
+    table = torch.zeros((len(lens), max([1] + nblocks)), dtype=torch.int32, device=block_table.device)
+    flat_out = out.view(total * lp, *trail)
+    flat_in = k_cache.reshape(k_cache.shape[0] * page, *trail)
+    nxt = 0
+    for i, L in enumerate(lens):
+        n = local_lens[i]
+        if n == 0:
+            continue
+        pos = dcp_global_positions(L, rank, world, layout, chunk).to(block_table.device)
+        ids = block_table[i, pos // page].to(torch.int64)
+        if bool(((ids < 0) | (ids >= k_cache.shape[0])).any()):
+            raise ValueError(f"block_table row {i} names a block outside k_cache's {k_cache.shape[0]} blocks")
+        rows = flat_in[(ids * page + pos % page).to(k_cache.device)]
+        flat_out[nxt * lp: nxt * lp + n] = rows
+        table[i, :nblocks[i]] = torch.arange(nxt, nxt + nblocks[i], dtype=torch.int32, device=table.device)
+        nxt += nblocks[i]
+    return out, table, torch.tensor(local_lens, dtype=torch.int32, device=seqlens.device)
+
+
+# ---------------------------------------------------------------------------- attention
+
+def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v, softmax_scale=None, *,
+                  causal=False, group=None, backend="auto"):
+    """Attention over a cache split across the ranks of ``group`` (default:
+    the world), merged by LSE; the full result on every rank.
+
+    q: [b, s_q, h_q, d], the SAME queries on every rank (every rank computes
+    or receives all heads of all sequences; no all-gather of q is done here:
+    a caller whose ranks hold different heads gathers q first, as vLLM does);
+    k_cache_local: this rank's pages [num_blocks, page, (1,) d];
+    block_table_local: [b, max_blocks] int32; seqlens_local: [b] int32, this
+    rank's number of tokens per sequence (``dcp_local_lengths``; 0 allowed);
+    head_dim_v: dv; softmax_scale: defaults to d ** -0.5. Keys are used as
+    stored (no RoPE applied here). s_q = 1, or s_q > 1 with causal=False;
+    causal=True with s_q > 1 raises ValueError.
+
+    backend: "kernels" (mla_attention with the block table: q and the cache
+    bf16 or fp16 on a GPU the kernels run on, seqlens on it), "torch"
+    (attention_reference in fp32 on any device: the CPU path), or "auto"
+    (kernels where usable on q's device, else torch). Then one all-gather of
+    the rank's (out, lse) over the group (torch.distributed, packed as bytes
+    into one buffer: NCCL/RCCL for GPU tensors, gloo for CPU ones) and
+    ``merge_attention_states``. The kernels' partial out is rounded to q's
+    dtype before the merge (as the partials of vLLM's DCP are); the torch
+    backend's partials stay fp32 until the merged result is cast.
+
+    Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32),
+    equal on every rank; a sequence with no token on any rank gives out 0,
+    lse -inf. Every rank of the group must call it with the same b, s_q,
+    h_q, dv and dtype (a collective)."""
+    if backend not in ("auto", "kernels", "torch"):
+        raise ValueError(f"backend must be 'auto', 'kernels' or 'torch', got {backend!r}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must have shape [b, s_q, h_q, d], got {list(getattr(q, 'shape', []))}")
+    b, s_q, h_q, d = q.shape
+    if q.dtype not in _FLOATS:
+        raise TypeError(f"q must be a float tensor, got {q.dtype}")
+    if causal and s_q > 1:
+        raise ValueError(
+            "dcp_attention: causal=True with s_q > 1 is not supported: causal masking compares each key's "
+            "position with the query's, and a rank's local positions are not global positions (under the "
+            "interleaved layout local token j is global token j * N + r), so the local attention would mask "
+            "the wrong keys. Use s_q = 1, or s_q > 1 with causal=False.")
+    if not isinstance(k_cache_local, torch.Tensor) or k_cache_local.dim() not in (3, 4) or (
+            k_cache_local.dim() == 4 and k_cache_local.shape[2] != 1):
+        raise ValueError("k_cache_local must be [num_blocks, page_block_size, (1,) d] with one KV head, got "
+                         f"{list(getattr(k_cache_local, 'shape', []))}")
+    if k_cache_local.shape[-1] != d:
+        raise ValueError(f"k_cache_local's last dimension must be q's d = {d}, got {k_cache_local.shape[-1]}")
+    if not 0 < int(head_dim_v) <= d:
+        raise ValueError(f"head_dim_v must be in (0, {d}], got {head_dim_v}")
+    if block_table_local is None:
+        raise ValueError("block_table_local is required ([b, max_blocks] int32)")
+    if (not isinstance(block_table_local, torch.Tensor) or block_table_local.dtype != torch.int32
+            or block_table_local.dim() != 2 or block_table_local.shape[0] != b):
+        raise TypeError(f"block_table_local must be an int32 tensor [b = {b}, max_blocks], got "
+                        f"{getattr(block_table_local, 'dtype', type(block_table_local))} "
+                        f"{list(getattr(block_table_local, 'shape', []))}")
+    if (not isinstance(seqlens_local, torch.Tensor) or seqlens_local.dtype != torch.int32
+            or tuple(seqlens_local.shape) != (b,)):
+        raise TypeError(f"seqlens_local must be an int32 tensor [b = {b}], got "
+                        f"{getattr(seqlens_local, 'dtype', type(seqlens_local))} "
+                        f"{list(getattr(seqlens_local, 'shape', []))}")
+    for name, t in (("k_cache_local", k_cache_local), ("block_table_local", block_table_local),
+                    ("seqlens_local", seqlens_local)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    if backend == "auto":
+        which = "kernels" if kernels_usable(q.device) else "torch"
+    else:
+        which = backend
+    if which == "kernels":
+        require_kernels(q.device)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("dcp_attention needs an initialised torch.distributed process group "
+                           "(dist.init_process_group(\"nccl\") on GPUs, \"gloo\" on the CPU; a world of 1 works)")
+
+    dv = int(head_dim_v)
+    if which == "kernels":
+        from .attention import mla_attention
+
+        out, lse = mla_attention(q, k_cache_local, seqlens_local, float(softmax_scale), block_table=block_table_local,
+                                 head_dim_v=dv)
+    else:
+        from .attention import attention_reference
+
+        pages = k_cache_local if k_cache_local.dim() == 3 else k_cache_local[:, :, 0]
+        out, lse = attention_reference(q, pages, seqlens_local, float(softmax_scale), block_table=block_table_local,
+                                       dtype=torch.float32, head_dim_v=dv)
+    out, lse = out.contiguous(), lse.to(torch.float32).contiguous()
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return out.to(q.dtype), lse
+    outs, lses = _all_gather_pair(out, lse, world, group)
+    merged, mlse = merge_attention_states(outs, lses)
+    return merged.to(q.dtype), mlse
+
+
+def _all_gather_pair(out, lse, world, group):
+    """One all-gather of (out, lse), packed as bytes into one buffer: returns
+    ([world, *out.shape] in out's dtype, [world, *lse.shape] fp32)."""
+    ob = out.view(-1).view(torch.uint8)
+    lb = lse.view(-1).view(torch.uint8)
+    buf = torch.cat([ob, lb])
+    got = torch.empty(world * buf.numel(), dtype=torch.uint8, device=buf.device)
+    dist.all_gather(list(got.view(world, -1).unbind(0)), buf, group=group)
+    got = got.view(world, -1)
+    outs = got[:, :ob.numel()].contiguous().view(out.dtype).view(world, *out.shape)
+    lses = got[:, ob.numel():].contiguous().view(torch.float32).view(world, *lse.shape)
+    return outs, lses
