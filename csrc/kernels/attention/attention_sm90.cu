@@ -286,6 +286,8 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
 // score tile of a half (32 rows x 64 keys fp32: two 128B-swizzled boxes of 32
 // keys, 8 KB) fits the rope block, where that half's P is stored after the
 // softmax.
+// The body, in order: setup; the work item's state and helpers; the stages
+// of a work item (named lambdas); the work-item loop, which runs them.
 template <bool kF16, int kDv, bool kPH>
 __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
@@ -293,6 +295,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   using T = PairTile<kDv>;
   constexpr int kNB = T::kNB, kHB = T::kHalfNB;
   using E = Half16<kF16>;
+  // ==== Setup: the shared-memory carve-up, thread indices, mbarriers, and the
+  // latent blocks dv 64 leaves zero
   extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
   // 1 KB aligned (swizzle atoms), by an offset from the shared array so that
   // the compiler keeps the address space (shared loads/stores, not generic)
@@ -340,6 +344,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   };
   if (nlat < kNB) zero_dead_blocks();
   pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
+
+  // ==== The work item's state, and the helpers the stages use: pair stages and
+  // buffers, page ids, key-half loads, key RoPE, descriptors, S issue, per-head scores
 
   // Work items: item w = (part w / hblocks, head block w % hblocks). A block
   // starts with item blockIdx.x; persistent launches (p.ctas > 0: one block
@@ -627,21 +634,33 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
   };
 
-  for (int item = block_x();;) {
-  if (!read_part(p, item / hblocks, pt)) break;
-  b = pt.b;
-  L = pt.L;
-  npairs = pt.tile_end - pt.tile_begin;
-  row_base = (item % hblocks) * kRB;
-  // the maps whose row extent is this length (contiguous caches, from
-  // p.bmaps): a half holding the length goes by TMA too, rows past L zeros
-  bnd_kv = !kPH && !paged && p.bmaps != nullptr && L % T::kHalf != 0 && L <= p.bmaps_len
-               ? reinterpret_cast<const CUtensorMap*>(p.bmaps + 256 * static_cast<int64_t>(L))
-               : nullptr;
-  if (bnd_kv != nullptr && t == 0) {  // (written by another kernel: the tensor-map proxy acquires them)
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv) : "memory");
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv + 1) : "memory");
-  }
+  // ==== The stages of a work item, in the order the work-item loop at the end
+  // runs them (lambdas: nvcc inlines them). The item's per-thread state, declared
+  // in the loop, goes in and out as parameters and return values, not by
+  // capture: a loop variable captured by reference reaches registers later in
+  // nvcc's optimisation, which changes the register assignment and the SASS
+  // (this layout compiles to the same SASS as the single-function kernel did).
+
+  // Item `item`: its part, sequence, length and head rows into the item state,
+  // and its length-bounded maps (if any) acquired. False past the plan.
+  auto start_item = [&](int item) -> bool {
+    if (!read_part(p, item / hblocks, pt)) return false;
+    b = pt.b;
+    L = pt.L;
+    npairs = pt.tile_end - pt.tile_begin;
+    row_base = (item % hblocks) * kRB;
+    // the maps whose row extent is this length (contiguous caches, from
+    // p.bmaps): a half holding the length goes by TMA too, rows past L zeros
+    bnd_kv = !kPH && !paged && p.bmaps != nullptr && L % T::kHalf != 0 && L <= p.bmaps_len
+                 ? reinterpret_cast<const CUtensorMap*>(p.bmaps + 256 * static_cast<int64_t>(L))
+                 : nullptr;
+    if (bnd_kv != nullptr && t == 0) {  // (written by another kernel: the tensor-map proxy acquires them)
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv) : "memory");
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv + 1) : "memory");
+    }
+    return true;
+  };
+
   // The tail: a last pair holding ONE key (L mod 128 = 1: every task length)
   // is not run through the pair loop, whose matrix products, loads and
   // barriers cost a full pair's time for it. Its row is read in the
@@ -650,131 +669,71 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // both warpgroups add it to their O columns on the CUDA cores: one more
   // online-softmax step of one key, with the same lazy max and rounding.
   // (dv 512, bf16, shared rope keys: the task's paths.)
-  const bool tail = kDv == 512 && !kF16 && !kPH && npairs > 0 &&
-                    L - (pt.tile_begin + npairs - 1) * T::kTileKeys == 1;
-  if (tail) --npairs;
-  uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
-  if (tail && wg == 0 && t < T::kBlocks * 8) {
-    const int key = L - 1;
-    const bf16_t* row = paged ? p.kv + static_cast<int64_t>(page_id(p.block_table, b * p.block_table_stride + key / p.page_size, p.num_pages)) *
-                                           p.kv_page_stride +
-                                    static_cast<int64_t>(key % p.page_size) * p.kv_row_stride
-                              : p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
-    if (t < kNB * 8) {
-      tail_chunk = *reinterpret_cast<const uint4*>(row + 8 * t);
-    } else if (t - kNB * 8 < rope_chunks) {  // (columns past the rope width: zeros, as in the key buffers)
-      const int c = t - kNB * 8;
-      if (rope) {  // rotated here as rotate_half rotates a key buffer: chunk c pairs with chunk c ^ 4
-        const int j = c & 3;
-        const uint4 x1 = *reinterpret_cast<const uint4*>(row + dvm + 8 * j);
-        const uint4 x2 = *reinterpret_cast<const uint4*>(row + dvm + 8 * (j + 4));
-        const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
-        const uint4 cw = cs[j], sw = cs[4 + j];
-        const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&x1);
-        const uint32_t* a2 = reinterpret_cast<const uint32_t*>(&x2);
-        const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
-        const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
-        uint32_t* out = reinterpret_cast<uint32_t*>(&tail_chunk);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          uint32_t y1, y2;
-          rope_rot_bf16x2(a1[w], a2[w], cc[w], ss[w], y1, y2);
-          out[w] = c < 4 ? y1 : y2;
-        }
-      } else {
-        const bf16_t* src = p.kpe == nullptr ? row + dvm + 8 * c
-                                             : p.kpe + b * p.kpe_batch_stride + static_cast<int64_t>(key) * p.kpe_row_stride + 8 * c;
-        tail_chunk = *reinterpret_cast<const uint4*>(src);
-      }
-    }
-  }
+  // True for such an item, whose last pair then leaves npairs.
+  auto has_tail_key = [&]() -> bool {
+    const bool tail = kDv == 512 && !kF16 && !kPH && npairs > 0 &&
+                      L - (pt.tile_begin + npairs - 1) * T::kTileKeys == 1;
+    if (tail) --npairs;
+    return tail;
+  };
 
-  // ---- Q (by TMA: issued here or prefetched during the previous item's last
-  // pair; else all threads by cp.async, the previous item's S products done), then pair 0
-  if (maps.use_q) {
-    if (!q_ready && tid == 0) issue_q(b, row_base);
-  } else {
-    const int qr = tid / 8, qc = tid % 8;
+  // Q (by TMA: issued here or prefetched during the previous item's last pair;
+  // else all threads by cp.async, the previous item's S products done)
+  auto load_q = [&] {
+    if (maps.use_q) {
+      if (!q_ready && tid == 0) issue_q(b, row_base);
+    } else {
+      const int qr = tid / 8, qc = tid % 8;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = qr + 32 * h;
-      const bool valid = r < kRB && row_base + r < p.rows;
-      const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + qc * 8 : p.q;
+      for (int h = 0; h < 2; ++h) {
+        const int r = qr + 32 * h;
+        const bool valid = r < kRB && row_base + r < p.rows;
+        const bf16_t* src = valid ? p.q + b * p.q_batch_stride + (row_base + r) * p.q_row_stride + qc * 8 : p.q;
 #pragma unroll
-      for (int i = 0; i < T::kBlocks; ++i) {
-        const bool rope_blk = i == T::kBlocks - 1;
-        const bool v = valid && (rope_blk ? qc < rope_chunks : i < nlat);  // (dv 64: block 1 zero)
-        copy16_async(q_s + i * T::kBlockBytes + r * 128 + ((qc ^ (r & 7)) << 4),
-                     v ? src + (rope_blk ? dvm : i * 64) : p.q, v);
+        for (int i = 0; i < T::kBlocks; ++i) {
+          const bool rope_blk = i == T::kBlocks - 1;
+          const bool v = valid && (rope_blk ? qc < rope_chunks : i < nlat);  // (dv 64: block 1 zero)
+          copy16_async(q_s + i * T::kBlockBytes + r * 128 + ((qc ^ (r & 7)) << 4),
+                       v ? src + (rope_blk ? dvm : i * 64) : p.q, v);
+        }
+      }
+      copy_commit();
+    }
+  };
+
+  // The page ids of pairs 0..kStages, then the loads of the first kStages
+  // pairs (each warpgroup its column blocks, as in the pair loops).
+  auto prologue_loads = [&] {
+    // page ids of pairs 0..kStages (even pairs: warpgroup 0, odd: warpgroup 1)
+    for (int j = wg; j <= kStages; j += 2) store_id(j, t, fetch_id(j, t));
+    prefetch_pages(kStages + 1);
+    sync_threads();  // mbarriers initialised, page ids of pairs 0..kStages stored
+    for (int j = 0; j < kStages && j < npairs; ++j) {
+      if (wg == 0) {
+        load_half(j, 0, 0, kHB, false, kMbK0a);
+        load_half(j, 1, 0, kHB, true, kMbK1a);
+      } else {
+        load_half(j, 0, kHB, kNB, true, kMbK0b);
+        load_half(j, 1, kHB, kNB, false, kMbK1b);
       }
     }
-    copy_commit();
-  }
-  // page ids of pairs 0..kStages (even pairs: warpgroup 0, odd: warpgroup 1)
-  for (int j = wg; j <= kStages; j += 2) store_id(j, t, fetch_id(j, t));
-  prefetch_pages(kStages + 1);
-  sync_threads();  // mbarriers initialised, page ids of pairs 0..kStages stored
-  for (int j = 0; j < kStages && j < npairs; ++j) {
-    if (wg == 0) {
-      load_half(j, 0, 0, kHB, false, kMbK0a);
-      load_half(j, 1, 0, kHB, true, kMbK1a);
-    } else {
-      load_half(j, 0, kHB, kNB, true, kMbK0b);
-      load_half(j, 1, kHB, kNB, false, kMbK1b);
-    }
-  }
-  if (maps.use_q)
-    wg::mbar_wait(qbar, nitem & 1);
-  else
-    copy_wait<0>();  // Q (the committed group)
-  if (tail && wg == 0 && t < T::kBlocks * 8) *reinterpret_cast<uint4*>(tail_s + 16 * t) = tail_chunk;
-  wg::fence_proxy_async();
-  sync_threads();
+  };
+
+  // Q has landed (the TMA's mbarrier phase of item `nitem`, or the cp.async group).
+  auto wait_q = [&](int nitem) {
+    if (maps.use_q)
+      wg::mbar_wait(qbar, nitem & 1);
+    else
+      copy_wait<0>();  // Q (the committed group)
+  };
 
   // causal limits of this thread's rows (keys >= lim are masked)
-  int lim0 = L, lim1 = L;
-  if (p.causal) {
-    lim0 = min(L, L - (p.s_q - 1 - (row_base + r0) / p.h_q));
-    lim1 = min(L, L - (p.s_q - 1 - (row_base + r1) / p.h_q));
-  }
-  if (tail && wg == 1) {  // the tail key's scores (log2 units, masked), rows r0 / r1; a quad splits the 72 chunks
-    float a0 = 0.f, a1 = 0.f;
-#pragma unroll 2
-    for (int u = 0; u < T::kBlocks * 2; ++u) {
-      const int j = t4 + 4 * u, blk = j / 8, c = j % 8;
-      const uint4 kw = *reinterpret_cast<const uint4*>(tail_s + 16 * j);
-      const uint4 qw0 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r0 * 128 + ((c ^ (r0 & 7)) << 4));
-      const uint4 qw1 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r1 * 128 + ((c ^ (r1 & 7)) << 4));
-      const uint32_t* k32 = reinterpret_cast<const uint32_t*>(&kw);
-      const uint32_t* q0 = reinterpret_cast<const uint32_t*>(&qw0);
-      const uint32_t* q1 = reinterpret_cast<const uint32_t*>(&qw1);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float kl = bf16_lo(k32[w]), kh = bf16_hi(k32[w]);
-        a0 = fmaf(bf16_lo(q0[w]), kl, fmaf(bf16_hi(q0[w]), kh, a0));
-        a1 = fmaf(bf16_lo(q1[w]), kl, fmaf(bf16_hi(q1[w]), kh, a1));
-      }
+  auto causal_limits = [&](int& lim0, int& lim1) {
+    if (p.causal) {
+      lim0 = min(L, L - (p.s_q - 1 - (row_base + r0) / p.h_q));
+      lim1 = min(L, L - (p.s_q - 1 - (row_base + r1) / p.h_q));
     }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      a0 += __shfl_xor_sync(0xffffffffu, a0, off);
-      a1 += __shfl_xor_sync(0xffffffffu, a1, off);
-    }
-    if (t4 == 0) {
-      s_t[r0] = L - 1 >= lim0 ? neg_inf() : a0 * p.scale_log2;
-      s_t[r1] = L - 1 >= lim1 ? neg_inf() : a1 * p.scale_log2;
-    }
-  }
-  float o[T::kORegs];
-#pragma unroll
-  for (int i = 0; i < T::kORegs; ++i) o[i] = 0.f;
-  float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;  // rows r0, r1: this warpgroup's view
-  float s[32];
-  uint32_t pa[16];
-  // warpgroup 0's thread 0: the block's next work item (taken one pair before
-  // the last), its sequence, and whether its Q is on its way
-  int next_item = -1, next_b = -1;
-  bool q_pref = false;
+  };
 
   using W0 = std::integral_constant<bool, false>;
   using W1 = std::integral_constant<bool, true>;
@@ -785,7 +744,17 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // separate first S.
   constexpr bool kLoopS = kDv == 512;
   constexpr int kFirst = kLoopS ? -1 : 0;
-  if (wg == 0) {
+
+  // Warpgroup 0's pair loop: per pair, the softmax of S0, O_L += P0 V0L, P0
+  // rescaled to warpgroup 1's max into shared memory, O_L += P1 V1L, the next
+  // S0 under the last product; its loads of K0 [0, H) and K1 [0, H) + NB. It
+  // returns the next work item it took and whether that item's Q is on its way.
+  struct NextItem {
+    int item;
+    bool q_pref;
+  };
+  auto pairs_wg0 = [&](float (&s)[32], uint32_t (&pa)[16], float (&o)[T::kORegs], float& m_a, float& m_b, float& l_a,
+                       float& l_b, int lim0, int lim1, int next_item, int next_b, bool q_pref) -> NextItem {
     if (!kLoopS && npairs > 0) {
       issue_s(W0{}, s, 0, [] {});
       wg::wait<0>();
@@ -868,7 +837,14 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       }
       wg::wait<0>();
     }
-  } else {
+    return NextItem{next_item, q_pref};
+  };
+
+  // Warpgroup 1's pair loop: per pair, the softmax of S1 against warpgroup 0's
+  // max, P1 into shared memory, O_R += P1 V1R + P0 V0R, the next S1; its loads
+  // of K1 [H, NB) and K0 [H, NB].
+  auto pairs_wg1 = [&](float (&s)[32], uint32_t (&pa)[16], float (&o)[T::kORegs], float& m_a, float& m_b, float& l_a,
+                       float& l_b, int lim0, int lim1) {
     if (!kLoopS && npairs > 0) {
       issue_s(W1{}, s, 0, [] {});
       wg::wait<0>();
@@ -918,113 +894,239 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         wg::wait<0>();
       }
     }
-  }
+  };
 
-  if (tail) {  // the tail key (see above): one more online-softmax step, on the CUDA cores
-    sync_threads();  // its scores (warpgroup 1, prologue) -> warpgroup 0
-    const float v0 = s_t[r0], v1 = s_t[r1];
-    const float n0 = lazy_max(m_a, v0), n1 = lazy_max(m_b, v1);
-    const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
-    const float e0 = fast_exp2(v0 - (n0 == neg_inf() ? 0.f : n0)), e1 = fast_exp2(v1 - (n1 == neg_inf() ? 0.f : n1));
-    // every row sum covers both warpgroups' keys once: warpgroup 0 adds this one
-    l_a = l_a * c0 + (wg == 0 ? e0 : 0.f);
-    l_b = l_b * c1 + (wg == 0 ? e1 : 0.f);
-    m_a = n0;
-    m_b = n1;
-    scale_rows(o, c0, c1);
-    const float pb0 = round_bf16(e0), pb1 = round_bf16(e1);  // P in bf16, as the P V products take it
-    const unsigned char* vrow = tail_s + (T::kN * wg + 2 * t4) * 2;
-#pragma unroll
-    for (int jn = 0; jn < T::kN / 8; ++jn) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 16 * jn);
-      const float x0 = bf16_lo(w), x1 = bf16_hi(w);
-      o[4 * jn] = fmaf(pb0, x0, o[4 * jn]);
-      o[4 * jn + 1] = fmaf(pb0, x1, o[4 * jn + 1]);
-      o[4 * jn + 2] = fmaf(pb1, x0, o[4 * jn + 2]);
-      o[4 * jn + 3] = fmaf(pb1, x1, o[4 * jn + 3]);
+  // Both warpgroups hold O and l at the same final max: their row sums meet in
+  // shared memory, and warpgroup 0's thread 0 publishes the block's next work
+  // item (taken in the pair loop at dv 512, else now) and whether its Q is on its way.
+  auto sum_rows = [&](float l_a, float l_b, int next_item, bool q_pref) {
+    if (t4 == 0) {
+      s_l[wg * T::kM + r0] = l_a;
+      s_l[wg * T::kM + r1] = l_b;
     }
-  }
-  // ---- both warpgroups hold O and l at the same final max: add the row sums
-  if (t4 == 0) {
-    s_l[wg * T::kM + r0] = l_a;
-    s_l[wg * T::kM + r1] = l_b;
-  }
-  if (wg == 0 && t == 0) {
-    s_next[0] = npairs > 0 && kDv == 512 ? next_item : grab();
-    s_next[1] = q_pref ? 1 : 0;
-  }
-  sync_threads();  // (also: every matrix product of the item is done, the key buffers are free)
-  q_ready = s_next[1] != 0;
-  pdl_trigger();   // the combine may launch once every block has got here
-  const float l0 = s_l[r0] + s_l[T::kM + r0], l1 = s_l[r1] + s_l[T::kM + r1];
+    if (wg == 0 && t == 0) {
+      s_next[0] = npairs > 0 && kDv == 512 ? next_item : grab();
+      s_next[1] = q_pref ? 1 : 0;
+    }
+    sync_threads();  // (also: every matrix product of the item is done, the key buffers are free)
+    q_ready = s_next[1] != 0;
+    pdl_trigger();   // the combine may launch once every block has got here
+  };
 
-  constexpr float kLn2 = 0.69314718055994531f;
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const bool fin = pt.nsplit == 1;  // the final output (bf16/fp16), else fp32 partials for the combine
-  const int64_t prow = fin ? 0 : static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
-  if (wg == 0 && t4 == 0) {
+  // The LSE of this thread's rows (warpgroup 0): into lse, or lse_part for the combine.
+  auto store_lse = [&](float l0, float l1, bool fin, int64_t prow, float m_a, float m_b) {
+    constexpr float kLn2 = 0.69314718055994531f;
+    if (wg == 0 && t4 == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row_base + (h ? r1 : r0);
-      const float l = h ? l1 : l0, m = h ? m_b : m_a;
-      const float v = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
-      if ((h ? r1 : r0) < kRB && r < p.rows) {
-        if (fin)
-          p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] = v;
-        else
-          p.lse_part[prow + r] = v;
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_base + (h ? r1 : r0);
+        const float l = h ? l1 : l0, m = h ? m_b : m_a;
+        const float v = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
+        if ((h ? r1 : r0) < kRB && r < p.rows) {
+          if (fin)
+            p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] = v;
+          else
+            p.lse_part[prow + r] = v;
+        }
       }
     }
-  }
+  };
+
   // O through shared memory (the key buffers), then one bulk copy per row:
   // 16-byte-aligned rows of the output are contiguous in o / o_part
-  const int col0 = T::kN * wg + 2 * t4;
-  const int elt = fin ? 2 : 4;
-  const int orow_bytes = T::kOutRowBytes(elt);
+  // stage_o: this thread's O values, normalised, into the padded rows (elt
+  // bytes each); then the stores are visible to the bulk copies of every thread.
+  auto stage_o = [&](const float (&o)[T::kORegs], float inv0, float inv1, bool fin, int orow_bytes, int elt, int col0) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float sc = h ? inv1 : inv0;
-    unsigned char* srow = k_s + (h ? r1 : r0) * orow_bytes + col0 * elt;
-    if (fin) {
+    for (int h = 0; h < 2; ++h) {
+      const float sc = h ? inv1 : inv0;
+      unsigned char* srow = k_s + (h ? r1 : r0) * orow_bytes + col0 * elt;
+      if (fin) {
 #pragma unroll
-      for (int jn = 0; jn < T::kN / 8; ++jn)
-        *reinterpret_cast<uint32_t*>(srow + 16 * jn) = E::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
-    } else {
+        for (int jn = 0; jn < T::kN / 8; ++jn)
+          *reinterpret_cast<uint32_t*>(srow + 16 * jn) = E::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+      } else {
 #pragma unroll
-      for (int jn = 0; jn < T::kN / 8; ++jn)
-        *reinterpret_cast<float2*>(srow + 32 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+        for (int jn = 0; jn < T::kN / 8; ++jn)
+          *reinterpret_cast<float2*>(srow + 32 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+      }
     }
-  }
-  wg::fence_proxy_async();  // the stores above -> the bulk copies (async proxy)
-  sync_threads();
-  if (tid < kRB && row_base + tid < p.rows) {
+    wg::fence_proxy_async();  // the stores above -> the bulk copies (async proxy)
+    sync_threads();
+  };
+  // copy_out_row: row `tid` of the item (threads 0..kRB-1), one bulk copy.
+  auto copy_out_row = [&](bool fin, int64_t prow, int elt, int orow_bytes) {
     const int64_t r = row_base + tid;
     void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * dvm)
                     : static_cast<void*>(p.o_part + (prow + r) * dvm);
     wg::bulk_store(dst, k_s + tid * orow_bytes, dvm * elt);  // (dv 64 on the dv 128 kernel: warpgroup 0's columns)
     wg::bulk_commit();
     wg::bulk_wait_read();  // before the next item's loads overwrite the key buffers (its prologue syncs)
-  }
-  if (nlat < kNB) {  // the staged output covered the dead latent blocks
-    sync_threads();   // (the bulk copies have read it)
-    zero_dead_blocks();
-  }
-  gbase += npairs;
-  ++nitem;
-  item = s_next[0];
-  if (item < 0) break;
-  }  // work items
+  };
+
   // Every block has taken its last item (thread 0 did every grab): the last
   // block to get here resets the work counter, so that the plan can serve
   // another call with the same lengths (attention(plan=)).
-  if (p.ctas > 0 && tid == 0) {
-    int32_t* ctr = const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts);
-    __threadfence();
-    if (atomicAdd(ctr + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      atomicExch(ctr, 0);
-      atomicExch(ctr + 1, 0);
+  auto release_plan = [&] {
+    if (p.ctas > 0 && tid == 0) {
+      int32_t* ctr = const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts);
+      __threadfence();
+      if (atomicAdd(ctr + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        atomicExch(ctr, 0);
+        atomicExch(ctr + 1, 0);
+      }
     }
-  }
+  };
+
+  // ==== The work items of this block: per item, the stages above in order
+  for (int item = block_x();;) {
+    if (!start_item(item)) break;
+    const bool tail = has_tail_key();
+    // The tail key's three steps (its row here, its scores after the prologue, its
+    // P V after the pair loops) stay in the loop: as lambdas they change the SASS of
+    // the dv 512 bf16 kernel (nvcc then folds the tail row's shared address otherwise).
+    uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
+    if (tail && wg == 0 && t < T::kBlocks * 8) {
+      const int key = L - 1;
+      const bf16_t* row = paged ? p.kv + static_cast<int64_t>(page_id(p.block_table, b * p.block_table_stride + key / p.page_size, p.num_pages)) *
+                                             p.kv_page_stride +
+                                      static_cast<int64_t>(key % p.page_size) * p.kv_row_stride
+                                : p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
+      if (t < kNB * 8) {
+        tail_chunk = *reinterpret_cast<const uint4*>(row + 8 * t);
+      } else if (t - kNB * 8 < rope_chunks) {  // (columns past the rope width: zeros, as in the key buffers)
+        const int c = t - kNB * 8;
+        if (rope) {  // rotated here as rotate_half rotates a key buffer: chunk c pairs with chunk c ^ 4
+          const int j = c & 3;
+          const uint4 x1 = *reinterpret_cast<const uint4*>(row + dvm + 8 * j);
+          const uint4 x2 = *reinterpret_cast<const uint4*>(row + dvm + 8 * (j + 4));
+          const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
+          const uint4 cw = cs[j], sw = cs[4 + j];
+          const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&x1);
+          const uint32_t* a2 = reinterpret_cast<const uint32_t*>(&x2);
+          const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
+          const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
+          uint32_t* out = reinterpret_cast<uint32_t*>(&tail_chunk);
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            uint32_t y1, y2;
+            rope_rot_bf16x2(a1[w], a2[w], cc[w], ss[w], y1, y2);
+            out[w] = c < 4 ? y1 : y2;
+          }
+        } else {
+          const bf16_t* src = p.kpe == nullptr ? row + dvm + 8 * c
+                                               : p.kpe + b * p.kpe_batch_stride + static_cast<int64_t>(key) * p.kpe_row_stride + 8 * c;
+          tail_chunk = *reinterpret_cast<const uint4*>(src);
+        }
+      }
+    }
+
+    // ---- Q and the first pairs' loads (the prologue)
+    load_q();
+    prologue_loads();
+    wait_q(nitem);
+    // the tail row -> shared memory, for warpgroup 1's scores and both warpgroups' P V
+    if (tail && wg == 0 && t < T::kBlocks * 8) *reinterpret_cast<uint4*>(tail_s + 16 * t) = tail_chunk;
+    wg::fence_proxy_async();
+    sync_threads();
+
+    int lim0 = L, lim1 = L;  // causal limits of rows r0, r1 (keys >= lim are masked)
+    causal_limits(lim0, lim1);
+    if (tail && wg == 1) {  // the tail key's scores (log2 units, masked), rows r0 / r1; a quad splits the 72 chunks
+      float a0 = 0.f, a1 = 0.f;
+#pragma unroll 2
+      for (int u = 0; u < T::kBlocks * 2; ++u) {
+        const int j = t4 + 4 * u, blk = j / 8, c = j % 8;
+        const uint4 kw = *reinterpret_cast<const uint4*>(tail_s + 16 * j);
+        const uint4 qw0 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r0 * 128 + ((c ^ (r0 & 7)) << 4));
+        const uint4 qw1 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r1 * 128 + ((c ^ (r1 & 7)) << 4));
+        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(&kw);
+        const uint32_t* q0 = reinterpret_cast<const uint32_t*>(&qw0);
+        const uint32_t* q1 = reinterpret_cast<const uint32_t*>(&qw1);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float kl = bf16_lo(k32[w]), kh = bf16_hi(k32[w]);
+          a0 = fmaf(bf16_lo(q0[w]), kl, fmaf(bf16_hi(q0[w]), kh, a0));
+          a1 = fmaf(bf16_lo(q1[w]), kl, fmaf(bf16_hi(q1[w]), kh, a1));
+        }
+      }
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        a0 += __shfl_xor_sync(0xffffffffu, a0, off);
+        a1 += __shfl_xor_sync(0xffffffffu, a1, off);
+      }
+      if (t4 == 0) {
+        s_t[r0] = L - 1 >= lim0 ? neg_inf() : a0 * p.scale_log2;
+        s_t[r1] = L - 1 >= lim1 ? neg_inf() : a1 * p.scale_log2;
+      }
+    }
+
+    // ---- the pair loops: O, the row maxima and sums of this warpgroup's view
+    float o[T::kORegs];
+#pragma unroll
+    for (int i = 0; i < T::kORegs; ++i) o[i] = 0.f;
+    float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;  // rows r0, r1: this warpgroup's view
+    float s[32];
+    uint32_t pa[16];
+    // warpgroup 0's thread 0: the block's next work item (taken one pair before
+    // the last), its sequence, and whether its Q is on its way
+    int next_item = -1, next_b = -1;
+    bool q_pref = false;
+    if (wg == 0) {
+      const NextItem nx = pairs_wg0(s, pa, o, m_a, m_b, l_a, l_b, lim0, lim1, next_item, next_b, q_pref);
+      next_item = nx.item;
+      q_pref = nx.q_pref;
+    } else {
+      pairs_wg1(s, pa, o, m_a, m_b, l_a, l_b, lim0, lim1);
+    }
+
+    if (tail) {  // the tail key (see above): one more online-softmax step, on the CUDA cores
+      sync_threads();  // its scores (warpgroup 1, prologue) -> warpgroup 0
+      const float v0 = s_t[r0], v1 = s_t[r1];
+      const float n0 = lazy_max(m_a, v0), n1 = lazy_max(m_b, v1);
+      const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
+      const float e0 = fast_exp2(v0 - (n0 == neg_inf() ? 0.f : n0)), e1 = fast_exp2(v1 - (n1 == neg_inf() ? 0.f : n1));
+      // every row sum covers both warpgroups' keys once: warpgroup 0 adds this one
+      l_a = l_a * c0 + (wg == 0 ? e0 : 0.f);
+      l_b = l_b * c1 + (wg == 0 ? e1 : 0.f);
+      m_a = n0;
+      m_b = n1;
+      scale_rows(o, c0, c1);
+      const float pb0 = round_bf16(e0), pb1 = round_bf16(e1);  // P in bf16, as the P V products take it
+      const unsigned char* vrow = tail_s + (T::kN * wg + 2 * t4) * 2;
+#pragma unroll
+      for (int jn = 0; jn < T::kN / 8; ++jn) {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 16 * jn);
+        const float x0 = bf16_lo(w), x1 = bf16_hi(w);
+        o[4 * jn] = fmaf(pb0, x0, o[4 * jn]);
+        o[4 * jn + 1] = fmaf(pb0, x1, o[4 * jn + 1]);
+        o[4 * jn + 2] = fmaf(pb1, x0, o[4 * jn + 2]);
+        o[4 * jn + 3] = fmaf(pb1, x1, o[4 * jn + 3]);
+      }
+    }
+
+    // ---- epilogue: the row sums, the LSE, O out
+    sum_rows(l_a, l_b, next_item, q_pref);
+    const float l0 = s_l[r0] + s_l[T::kM + r0], l1 = s_l[r1] + s_l[T::kM + r1];
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const bool fin = pt.nsplit == 1;  // the final output (bf16/fp16), else fp32 partials for the combine
+    const int64_t prow = fin ? 0 : static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
+    store_lse(l0, l1, fin, prow, m_a, m_b);
+    const int col0 = T::kN * wg + 2 * t4;
+    const int elt = fin ? 2 : 4;
+    const int orow_bytes = T::kOutRowBytes(elt);
+    stage_o(o, inv0, inv1, fin, orow_bytes, elt, col0);
+    if (tid < kRB && row_base + tid < p.rows) copy_out_row(fin, prow, elt, orow_bytes);
+    if (nlat < kNB) {  // the staged output covered the dead latent blocks
+      sync_threads();   // (the bulk copies have read it)
+      zero_dead_blocks();
+    }
+    gbase += npairs;
+    ++nitem;
+    item = s_next[0];
+    if (item < 0) break;
+  }  // work items
+  release_plan();
   wg::bulk_wait_all();
 #else
   __trap();  // built without sm_90a: the host never selects this kernel then
