@@ -353,8 +353,8 @@ def _worker(rank, world, port, dist_backend, device_kind, cases, shape, attn_bac
             for b, L in enumerate(lens):
                 if L == 0:
                     assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all(), what
-            # every rank holds the same result
-            pair = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
+            # every rank holds the same result (gathered where the backend works: NCCL on the GPU)
+            pair = torch.cat([out.float().reshape(-1), lse.reshape(-1)]).to(device)
             got = [torch.empty_like(pair) for _ in range(world)]
             dist.all_gather(got, pair)
             assert all(torch.equal(got[0].nan_to_num(), t.nan_to_num()) for t in got), f"ranks disagree, {what}"

@@ -7,9 +7,12 @@
 #pragma once
 
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
+
+#include "../kernels/attention/plan.h"
 
 namespace mla::api {
 
@@ -40,6 +43,14 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
 // rows (what plan() plans with): a batch of one length never splits once bs
 // reaches it (mla_decode.splits_possible).
 int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
+
+// The decode step's split plan (step.cpp): for lens.size(0) sequences of one
+// length, s_q 1 and h_q heads, with the step's attention (dv 512, the keys'
+// RoPE on the fly) on lens's device: the plan tensor and the planner's
+// parameters with fill_lens = lens, so that one launch_plan (after setting
+// fill_len) writes both the lengths and the plan that attention_out then
+// takes as `plan`.
+std::pair<at::Tensor, PlanParams> step_plan(const at::Tensor& lens, int64_t h_q, int64_t capacity, bool split);
 
 // Register the layout of a contiguous cache kv [bs, max_seq_len, d] (and of
 // its separate rope rows kpe, if any) for the Hopper attention: a table of

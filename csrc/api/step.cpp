@@ -23,7 +23,7 @@
 #include "blas_lt.h"
 #include "checks.h"
 #include "ops.h"
-#include "../kernels/projections/rope_append.h"
+#include "../kernels/attention/attention.h"
 #include "projection_ops.h"
 #include "step_graph.h"
 
@@ -57,8 +57,18 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   const at::Tensor w_uk = w_kv3.narrow(1, 0, nope);               // [H, nope, r]
   const at::Tensor w_uv_t = w_kv3.narrow(1, nope, v).transpose(1, 2);  // [H, r, v]
 
-  // ---- 1-2. down-projections: q_lora and the new latent row (launched
-  // first: the host prepares the rest while it runs)
+  // ---- 0. every sequence's length (pos + 1) and the attention's split plan,
+  // one planner launch ahead of the projections (none of which it waits for)
+  const stream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const at::Tensor seqlens = at::empty({bs}, opts.dtype(at::kInt));
+  // one part per sequence (no combine) where the planner could not split a batch of one length anyway
+  const bool split = bs < plan_target_parts(dev.index(), 1, H);
+  auto [plan, pp] = step_plan(seqlens, H, cache.size(1), split);
+  pp.fill_len = static_cast<int32_t>(pos + 1);
+  if (fill_lengths) check_launch(launch_plan(pp, stream), "decode step lengths and plan");
+
+  // ---- 1-2. down-projections: q_lora and the new latent row (the host
+  // prepares the rest while they run)
   int64_t ran = 0;
   at::Tensor q_lora_t = at::empty({bs, q_lora}, opts);
   at::Tensor kv_new = at::empty({bs, r + rope}, opts);
@@ -80,12 +90,6 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   at::Tensor qbuf = at::empty({H, bs, r + rope}, opts);  // the attention's query, head-major
   at::Tensor q_abs = qbuf.narrow(2, 0, r);
   at::Tensor q_rot = qbuf.narrow(2, r, rope).transpose(0, 1);  // [bs, H, rope]: q_pe rotated
-  const stream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
-  const at::Tensor seqlens = at::empty({bs}, opts.dtype(at::kInt));  // every sequence's length: pos + 1
-  if (fill_lengths)
-    check_launch(launch_fill_i32(seqlens.data_ptr<int32_t>(), static_cast<int>(bs), static_cast<int32_t>(pos + 1),
-                                 stream),
-                 "length fill");
   c10::optional<QueryParams> query;
   if (want & kStepQueryFused) {
     QueryParams p = query_params(q_lora_t, w_qu, w_uk, q_abs, q_rot, true, kv_new, seqlens, rope_cs, cache,
@@ -103,15 +107,13 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
     rope_append(q.narrow(2, nope, rope), kv_new, seqlens, rope_cs, q_rot, const_cast<at::Tensor&>(cache),
                 c10::nullopt);
   }
-  // ---- 5. attention over the cache, the keys rotated on the fly; one part per
-  // sequence (no combine) where the planner could not split a batch of one length anyway
+  // ---- 5. attention over the cache, the keys rotated on the fly, with the plan made at step 0
   attention_bounded_register(cache, c10::nullopt, r);  // (once per cache layout; see bounded_maps.cpp)
   at::Tensor o_lat = at::empty({bs, 1, H, r}, opts);
   at::Tensor lse = at::empty({bs, H, 1}, opts.dtype(at::kFloat));
-  const bool split = bs < plan_target_parts(dev.index(), 1, H);
   attention_out(qbuf.transpose(0, 1).unsqueeze(1), cache, seqlens, c10::nullopt, rope_cs,
                 1.0 / std::sqrt(static_cast<double>(nope + rope)), false, o_lat, lse, c10::nullopt, r, c10::nullopt,
-                c10::nullopt, split);
+                plan, split);
   // ---- 6. W_UV per head, then wo
   at::Tensor obuf = at::empty({bs, H, v}, opts);
   at::Tensor obuf_t = obuf.transpose(0, 1);
@@ -126,8 +128,7 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   StepOut out;
   out.y = y;
   out.ran = ran;
-  out.lens = seqlens.data_ptr<int32_t>();
-  out.n = static_cast<int>(bs);
+  out.plan = pp;
   return out;
 }
 

@@ -14,7 +14,7 @@
 #include <mutex>
 #include <optional>
 
-#include "../kernels/projections/rope_append.h"
+#include "../kernels/attention/attention.h"
 #include "../platform/vendor.h"
 #include "checks.h"
 #include "ops.h"
@@ -39,7 +39,7 @@ struct Entry {
   StepKey key;
   std::unique_ptr<at::cuda::CUDAGraph> graph;
   graph_exec_t exec = nullptr;
-  StepOut out;  // the captured step's y (in the pool), paths and lengths buffer
+  StepOut out;  // the captured step's y (in the pool), paths and planner launch
   uint64_t used = 0;
 };
 
@@ -77,7 +77,9 @@ void wait_done(DeviceState& ds) {
 StepOut replay(Entry& e, DeviceState& ds, int32_t len, stream_t stream) {
   if (ds.done == nullptr) check_launch(event_create(&ds.done), "decode step graph event");
   if (ds.last != nullptr && ds.last != stream) check_launch(stream_wait_event(stream, ds.done), "decode step graph wait");
-  check_launch(launch_fill_i32(e.out.lens, e.out.n, len, stream), "decode step length fill");
+  PlanParams pp = e.out.plan;  // the lengths and the split plan, then the graph that reads them
+  pp.fill_len = len;
+  check_launch(launch_plan(pp, stream), "decode step lengths and plan");
   check_launch(graph_launch(e.exec, stream), "decode step graph launch");
   StepOut out = e.out;
   out.y = at::empty(e.out.y.sizes(), e.out.y.options());

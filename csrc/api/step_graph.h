@@ -1,7 +1,8 @@
 // The decode step's replay cache: a step whose operands (addresses and
 // layouts) are the same as the previous call's is captured once into a
 // CUDA/HIP graph and replayed from then on, with the sequences' length as the
-// graph's one per-call argument. A replay reads the weights, x and the cache
+// graph's one per-call argument (written, with the attention's split plan, by
+// one planner launch ahead of the graph's). A replay reads the weights, x and the cache
 // where they lie, as an eager call does; it saves the host work of the
 // launches, which the GPU otherwise waits for at the start of every step.
 #pragma once
@@ -11,6 +12,8 @@
 #include <cstdint>
 #include <functional>
 #include <vector>
+
+#include "../kernels/attention/plan.h"
 
 namespace mla::api {
 
@@ -26,14 +29,14 @@ struct StepKey {
 };
 
 // One step enqueued on the current stream: y, the paths taken, and the
-// lengths buffer its stages read (lens[0 .. n), all the same length). With
-// fill_lengths false the step leaves that buffer to whoever fills it before
-// (a captured step: the replay fills it with launch_fill_i32).
+// planner's launch that writes the step's lengths (plan.fill_lens, all
+// plan.fill_len) and its attention's split plan. With fill_lengths false the
+// step leaves that launch to its caller (a captured step: every replay makes
+// it with the call's length before the graph's launch).
 struct StepOut {
   at::Tensor y;
   int64_t ran = 0;
-  int32_t* lens = nullptr;
-  int n = 0;
+  PlanParams plan{};
 };
 using StepEnqueue = std::function<StepOut(bool fill_lengths)>;
 

@@ -37,8 +37,11 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   __shared__ int total_s;
   pdl_trigger();  // the attention kernel may start its prologue; it waits for this plan before reading it
   const int tid = thread_x();
+  if (p.fill_lens != nullptr)  // (read by the kernels after this one, which the stream orders after it)
+    for (int b = tid; b < p.bs; b += p.threads) p.fill_lens[b] = p.fill_len;
+  auto len_of = [&](int b) { return p.fill_lens != nullptr ? p.fill_len : p.seqlens[b]; };
   auto tiles_from_len = [&](int b) {
-    const int L = min(max(p.seqlens[b], 0), p.max_len);  // never read past the cache
+    const int L = min(max(len_of(b), 0), p.max_len);  // never read past the cache
     return L > 0 ? (L + p.tile - 1) / p.tile : 0;
   };
   // sequence tid's tiles, read once (with bs <= threads, a thread's only
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
       p.plan[kPlanSeqBase + 2 * b] = n;
       p.plan[kPlanSeqBase + 2 * b + 1] = first;
       const int per_split = (tiles + n - 1) / n;
-      const int L = min(max(p.seqlens[b], 0), p.max_len);
+      const int L = min(max(len_of(b), 0), p.max_len);
       int32_t* out = p.plan + plan_part_base(p.bs) + kPartInts * first;
       for (int s = 0; s < n; ++s, out += kPartInts) {
         out[0] = b;

@@ -41,6 +41,8 @@ struct PlanParams {
   int threads;             // block size (set by launch_plan)
   int p0_only;             // 1: per_part = total / target_parts, no candidates (MLA_DECODE_PLAN_P0=1)
   int no_split;            // 1: one part per sequence (max_parts = bs): a plan for calls without a combine
+  int32_t* fill_lens;      // non-null: every length is fill_len, written to fill_lens[0 .. bs) as the plan is
+  int fill_len;            // made (seqlens unread): the decode step's lengths and plan in one launch
 };
 
 }  // namespace mla

@@ -36,18 +36,7 @@ MLA_GLOBAL void __launch_bounds__(kThreads) rope_append_kernel(RopeAppendParams 
            thread_x());
 }
 
-MLA_GLOBAL void __launch_bounds__(kThreads) fill_i32_kernel(int32_t* p, int n, int32_t value) {
-  const int i = block_x() * kThreads + thread_x();
-  if (i < n) p[i] = value;
-}
-
 }  // namespace
-
-const char* launch_fill_i32(int32_t* p, int n, int32_t value, stream_t stream) {
-  if (n <= 0) return "launch_fill_i32: n must be positive";
-  fill_i32_kernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, n, value);
-  return last_launch_error();
-}
 
 const char* launch_rope_append(const RopeAppendParams& p, stream_t stream) {
   if (p.bs <= 0 || p.heads <= 0 || p.width <= 0 || p.rope <= 0 || p.rope % 2)

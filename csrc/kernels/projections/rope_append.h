@@ -43,8 +43,4 @@ MLA_DEVICE void rope_pair(float x1, float x2, float c, float s, bf16_t* y1, bf16
 // sequence (the host checks lengths before the launch).
 const char* launch_rope_append(const RopeAppendParams& p, stream_t stream);
 
-// p[0 .. n) = value: the decode step's per-sequence lengths, all equal (a
-// replayed step's one per-call input, written before the graph's launch).
-const char* launch_fill_i32(int32_t* p, int n, int32_t value, stream_t stream);
-
 }  // namespace mla
