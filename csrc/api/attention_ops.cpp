@@ -72,13 +72,18 @@ struct Planned {
   int64_t max_parts;
 };
 
-// The planner's parameters for a plan of these lengths into `plan` (plan.h).
-PlanParams plan_params(const at::Tensor& seqlens, const at::Tensor& plan, int64_t s_q, int64_t capacity,
-                       const DeviceAttnInfo& info, int64_t target_parts, int64_t max_parts, bool split) {
+// A plan tensor for these lengths (plan.h) and the planner's parameters
+// that fill it; nothing launched.
+std::pair<at::Tensor, PlanParams> new_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity,
+                                           const DeviceAttnInfo& info, bool split) {
+  const int64_t bs = seqlens.size(0);
+  const auto [target_parts, max_parts] = plan_parts(bs, s_q, h_q, info, split);
+  at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))},
+                              seqlens.options().dtype(at::kInt));
   PlanParams pp{};
   pp.seqlens = seqlens.data_ptr<int32_t>();
   pp.plan = plan.data_ptr<int32_t>();
-  pp.bs = static_cast<int>(seqlens.size(0));
+  pp.bs = static_cast<int>(bs);
   pp.max_parts = static_cast<int>(max_parts);
   pp.target_parts = static_cast<int>(target_parts);
   pp.tile = info.kernel.tile;
@@ -87,20 +92,16 @@ PlanParams plan_params(const at::Tensor& seqlens, const at::Tensor& plan, int64_
   static const bool p0_only = env_is("MLA_DECODE_PLAN_P0", "1");
   pp.p0_only = p0_only ? 1 : 0;
   pp.no_split = split ? 0 : 1;
-  return pp;
+  return {plan, pp};
 }
 
 // The split plan of one call (plan.h), computed on the device from the
 // lengths: no host synchronisation, so it is captured with the call.
 Planned make_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, const DeviceAttnInfo& info,
                   stream_t stream, bool split) {
-  const int64_t bs = seqlens.size(0);
-  const auto [target_parts, max_parts] = plan_parts(bs, s_q, h_q, info, split);
-  at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))},
-                              seqlens.options().dtype(at::kInt));
-  check_launch(launch_plan(plan_params(seqlens, plan, s_q, capacity, info, target_parts, max_parts, split), stream),
-               "split planner launch");
-  return {plan, max_parts};
+  auto [plan, pp] = new_plan(seqlens, s_q, h_q, capacity, info, split);
+  check_launch(launch_plan(pp, stream), "split planner launch");
+  return {plan, pp.max_parts};
 }
 
 }  // namespace
@@ -119,14 +120,10 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
 }
 
 std::pair<at::Tensor, PlanParams> step_plan(const at::Tensor& lens, int64_t h_q, int64_t capacity, bool split) {
-  const DeviceAttnInfo& info = device_attn_info(lens.device().index(), detail::kDv, detail::kRope, true);
-  const int64_t bs = lens.size(0);
-  const auto [target_parts, max_parts] = plan_parts(bs, 1, h_q, info, split);
-  at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))},
-                              lens.options().dtype(at::kInt));
-  PlanParams pp = plan_params(lens, plan, 1, capacity, info, target_parts, max_parts, split);
-  pp.fill_lens = lens.data_ptr<int32_t>();
-  return {plan, pp};
+  auto planned = new_plan(lens, 1, h_q, capacity,
+                          device_attn_info(lens.device().index(), detail::kDv, detail::kRope, true), split);
+  planned.second.fill_lens = lens.data_ptr<int32_t>();
+  return planned;
 }
 
 void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
