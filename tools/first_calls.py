@@ -31,9 +31,11 @@ def main():
     ap.add_argument("prefills", type=int, nargs="*", default=[512, 6144])
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--ref-chunk", type=int, default=0)
+    ap.add_argument("--ref-chunk", type=int, default=0,
+                    help="sequences per chunk of the reference (0: the whole batch where the GPU has more than "
+                         "120 GB, else 16)")
     args = ap.parse_args()
-    chunk = args.ref_chunk or None
+    chunk = args.ref_chunk or (None if torch.cuda.get_device_properties(0).total_memory > 120e9 else 16)
     for p in args.prefills:
         config, x, kv = generate_input(batch_size=128, prefill=p, seed=p, device="cuda")
         kv_ref = kv.clone()
