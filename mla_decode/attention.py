@@ -184,3 +184,8 @@ if kernels_built():
         bs, _, s_q, h_q, dv = o_part.shape
         return (o_part.new_empty(bs, s_q, h_q, dv, dtype=torch.bfloat16),
                 o_part.new_empty(bs, h_q, s_q))
+
+    @torch.library.register_fake("mla_decode::merge_states")
+    def _merge_states_fake(outs, lses):
+        _, bs, s_q, h_q, dv = outs.shape
+        return outs.new_empty(bs, s_q, h_q, dv), lses.new_empty(bs, h_q, s_q)

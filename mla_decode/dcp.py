@@ -36,10 +36,8 @@ global position) and supports s_q = 1, or s_q > 1 without causal masking
 (causal masking compares positions, and a rank's local positions are not
 global positions).
 
-Verified on the CPU only (gloo, 2 and 3 processes, the PyTorch backend:
-tests/test_dcp.py). The GPU path runs the same code with the kernels
-(mla_attention with a block table) and NCCL; its test needs 2 GPUs and has
-not run yet. See docs/multi_gpu.md.
+Tested on the CPU (gloo, 2 and 3 processes, the PyTorch backend) and on 2
+and 4 GPUs (NCCL, the kernels): tests/test_dcp.py. See docs/multi_gpu.md.
 """
 
 from __future__ import annotations
@@ -72,7 +70,12 @@ def merge_attention_states(outs, lses):
 
     computed in fp32 (float64 when outs are float64). Where every lse_r is
     -inf the result is out 0 and lse -inf, never NaN; a partial whose lse is
-    -inf contributes nothing, whatever its out holds."""
+    -inf contributes nothing, whatever its out holds.
+
+    On a GPU the compiled kernels run on, with bf16, fp16 or fp32 outs, one
+    kernel reads each partial once (exp2/log2 in hardware approximation, as
+    the attention's own combine); elsewhere (the CPU, float64) plain PyTorch
+    in the same fp32 (float64) arithmetic."""
     outs = _stack(outs, "outs")
     lses = _stack(lses, "lses")
     if outs.dtype not in _FLOATS:
@@ -89,7 +92,19 @@ def merge_attention_states(outs, lses):
                          f"{list(outs.shape)}, got {list(lses.shape)}")
     if n == 0:
         raise ValueError("nothing to merge: N = 0 partials")
+    if outs.dtype != torch.float64 and kernels_usable(outs.device):
+        return torch.ops.mla_decode.merge_states(outs.contiguous(), lses.contiguous())
     acc = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    scale, lse = _merge_weights(lses, acc)
+    scale = scale.transpose(-1, -2).unsqueeze(-1)                    # [N, b, s_q, h_q, 1]
+    contrib = torch.where(scale > 0, scale * outs.to(acc), torch.zeros((), dtype=acc, device=outs.device))
+    return contrib.sum(dim=0).to(outs.dtype), lse.to(torch.float32)
+
+
+def _merge_weights(lses, acc):
+    """The merge's weights exp(lse_r - lse) [N, b, h_q, s_q] (0 for a partial
+    with lse -inf) and lse = logsumexp_r lse_r [b, h_q, s_q] (-inf where every
+    partial is), in dtype ``acc``."""
     lse_r = lses.to(acc)
     m = lse_r.amax(dim=0)                                            # [b, h_q, s_q]
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # all -inf: any finite shift
@@ -97,10 +112,7 @@ def merge_attention_states(outs, lses):
     total = w.sum(dim=0)
     lse = torch.where(total > 0, m + torch.log(torch.where(total > 0, total, torch.ones_like(total))),
                       torch.full_like(total, float("-inf")))
-    scale = w / torch.where(total > 0, total, torch.ones_like(total))  # [N, b, h_q, s_q]
-    scale = scale.transpose(-1, -2).unsqueeze(-1)                    # [N, b, s_q, h_q, 1]
-    contrib = torch.where(scale > 0, scale * outs.to(acc), torch.zeros((), dtype=acc, device=outs.device))
-    return contrib.sum(dim=0).to(outs.dtype), lse.to(torch.float32)
+    return w / torch.where(total > 0, total, torch.ones_like(total)), lse
 
 
 def _stack(x, name):
@@ -249,9 +261,10 @@ def dcp_shard_cache(k_cache, block_table, seqlens, rank: int, world: int, layout
 # ---------------------------------------------------------------------------- attention
 
 def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v, softmax_scale=None, *,
-                  causal=False, group=None, backend="auto"):
+                  causal=False, group=None, backend="auto", scatter_heads=False):
     """Attention over a cache split across the ranks of ``group`` (default:
-    the world), merged by LSE; the full result on every rank.
+    the world), merged by LSE; the full result on every rank, or with
+    ``scatter_heads=True`` the rank's share of the heads.
 
     q: [b, s_q, h_q, d], the SAME queries on every rank (every rank computes
     or receives all heads of all sequences; no all-gather of q is done here:
@@ -266,17 +279,29 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
     backend: "kernels" (mla_attention with the block table: q and the cache
     bf16 or fp16 on a GPU the kernels run on, seqlens on it), "torch"
     (attention_reference in fp32 on any device: the CPU path), or "auto"
-    (kernels where usable on q's device, else torch). Then one all-gather of
-    the rank's (out, lse) over the group (torch.distributed, packed as bytes
-    into one buffer: NCCL/RCCL for GPU tensors, gloo for CPU ones) and
-    ``merge_attention_states``. The kernels' partial out is rounded to q's
+    (kernels where usable on q's device, else torch). Then the all-gather of
+    the ranks' (out, lse) over the group (torch.distributed: NCCL/RCCL into
+    one tensor each for GPU tensors, gloo for CPU ones packed into one
+    buffer) and ``merge_attention_states`` (one kernel on a GPU). The kernels' partial out is rounded to q's
     dtype before the merge (as the partials of vLLM's DCP are); the torch
     backend's partials stay fp32 until the merged result is cast.
 
+    scatter_heads=True (h_q a multiple of the group's size N): rank r
+    receives only heads [r h_q / N, (r + 1) h_q / N) of the merged result,
+    as a head-sharded output projection wants them (vLLM's DCP
+    reduce-scatters so): the ranks' LSEs are all-gathered (b x h_q x s_q
+    fp32 each), every rank scales its partial by its weight exp(lse_r - lse)
+    in fp32, and one reduce-scatter over the heads sums them (fp32, so the
+    sum is not rounded to q's dtype on the way; NCCL's reduce_scatter on
+    GPUs, an all-reduce and a slice on gloo). A rank then receives (N - 1) /
+    N of its share's fp32 partial sums instead of N - 1 whole partials in
+    q's dtype: at N = 4, half the bytes of the all-gather.
+
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32),
-    equal on every rank; a sequence with no token on any rank gives out 0,
-    lse -inf. Every rank of the group must call it with the same b, s_q,
-    h_q, dv and dtype (a collective)."""
+    equal on every rank (with scatter_heads: out [b, s_q, h_q / N, dv], lse
+    [b, h_q / N, s_q], the rank's heads); a sequence with no token on any
+    rank gives out 0, lse -inf. Every rank of the group must call it with
+    the same b, s_q, h_q, dv, dtype and scatter_heads (a collective)."""
     if backend not in ("auto", "kernels", "torch"):
         raise ValueError(f"backend must be 'auto', 'kernels' or 'torch', got {backend!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -326,6 +351,9 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
         raise RuntimeError("dcp_attention needs an initialised torch.distributed process group "
                            "(dist.init_process_group(\"nccl\") on GPUs, \"gloo\" on the CPU; a world of 1 works)")
 
+    world = dist.get_world_size(group)
+    if scatter_heads and h_q % world != 0:
+        raise ValueError(f"scatter_heads=True needs h_q a multiple of the group's size {world}, got h_q {h_q}")
     dv = int(head_dim_v)
     if which == "kernels":
         from .attention import mla_attention
@@ -340,17 +368,52 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
                                        dtype=torch.float32, head_dim_v=dv)
     out, lse = out.contiguous(), lse.to(torch.float32).contiguous()
 
-    world = dist.get_world_size(group)
     if world == 1:
         return out.to(q.dtype), lse
+    if scatter_heads:
+        return _merge_scatter_heads(out, lse, world, dist.get_rank(group), group, q.dtype)
     outs, lses = _all_gather_pair(out, lse, world, group)
     merged, mlse = merge_attention_states(outs, lses)
     return merged.to(q.dtype), mlse
 
 
+def _merge_scatter_heads(out, lse, world, rank, group, dtype):
+    """The merge of the ranks' (out [b, s_q, h_q, dv], lse [b, h_q, s_q]) by
+    their LSE, rank `rank` receiving heads [rank hs, (rank + 1) hs), hs =
+    h_q / world: all-gathered LSEs, each partial scaled by its weight in
+    fp32, one reduce-scatter (sum) over the heads."""
+    b, s_q, h_q, dv = out.shape
+    hs = h_q // world
+    lses = torch.empty((world, *lse.shape), dtype=lse.dtype, device=lse.device)
+    if lse.is_cuda:
+        dist.all_gather_into_tensor(lses, lse, group=group)
+    else:
+        dist.all_gather(list(lses.unbind(0)), lse, group=group)
+    w, mlse = _merge_weights(lses, torch.float32)
+    w = w[rank].transpose(1, 2).unsqueeze(-1)                         # [b, s_q, h_q, 1]
+    scaled = torch.where(w > 0, out.float() * w, torch.zeros((), device=out.device))  # (a -inf partial: 0)
+    heads = scaled.permute(2, 0, 1, 3).contiguous()                   # [h_q, b, s_q, dv]: a rank's heads contiguous
+    if heads.is_cuda:
+        mine = torch.empty((hs, b, s_q, dv), dtype=torch.float32, device=heads.device)
+        dist.reduce_scatter_tensor(mine, heads, group=group)
+    else:  # (gloo has no reduce-scatter)
+        dist.all_reduce(heads, group=group)
+        mine = heads[rank * hs:(rank + 1) * hs]
+    return (mine.permute(1, 2, 0, 3).to(dtype).contiguous(),
+            mlse[:, rank * hs:(rank + 1) * hs].contiguous())
+
+
 def _all_gather_pair(out, lse, world, group):
-    """One all-gather of (out, lse), packed as bytes into one buffer: returns
-    ([world, *out.shape] in out's dtype, [world, *lse.shape] fp32)."""
+    """The ranks' (out, lse): ([world, *out.shape] in out's dtype, [world,
+    *lse.shape] fp32). On GPUs two all-gathers into one tensor each (no
+    copies after); on the CPU one all-gather of both packed as bytes into one
+    buffer (gloo gathers into a list)."""
+    if out.is_cuda:
+        outs = torch.empty((world, *out.shape), dtype=out.dtype, device=out.device)
+        lses = torch.empty((world, *lse.shape), dtype=lse.dtype, device=lse.device)
+        dist.all_gather_into_tensor(outs, out, group=group)
+        dist.all_gather_into_tensor(lses, lse, group=group)
+        return outs, lses
     ob = out.view(-1).view(torch.uint8)
     lb = lse.view(-1).view(torch.uint8)
     buf = torch.cat([ob, lb])

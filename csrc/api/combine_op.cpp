@@ -1,5 +1,6 @@
 // Torch glue of the combine op: merges the fp32 partials of splits given by
-// the caller (the attention op launches the same kernel on its own partials).
+// the caller (the attention op launches the same kernel on its own partials);
+// and of the merge op: N whole partial results (decode context parallelism).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -47,6 +48,44 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   cp.dv = static_cast<int>(dv);
   cp.f16 = false;
   check_launch(launch_combine(cp, at::cuda::getCurrentCUDAStream().stream()), "combine launch");
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& outs, const at::Tensor& lses) {
+  if (!outs.is_cuda()) fail_value("outs must be on a GPU, got " + outs.device().str());
+  check_device(lses, "lses", outs.device());
+  int type = -1;
+  if (outs.scalar_type() == at::kBFloat16) type = 0;
+  if (outs.scalar_type() == at::kHalf) type = 1;
+  if (outs.scalar_type() == at::kFloat) type = 2;
+  if (type < 0) fail_type("outs must be bfloat16, float16 or float32, got " + std::string(c10::toString(outs.scalar_type())));
+  check_dtype(lses, "lses", at::kFloat);
+  check_shape(outs, "outs", {-1, -1, -1, -1, -1}, "[N, b, s_q, h_q, dv]");
+  const int64_t n = outs.size(0), bs = outs.size(1), s_q = outs.size(2), h_q = outs.size(3), dv = outs.size(4);
+  if (n <= 0 || bs <= 0 || s_q <= 0 || h_q <= 0 || dv <= 0) fail_value("outs must be non-empty, got " + shape_str(outs));
+  check_shape(lses, "lses", {n, bs, h_q, s_q}, "[N, b, h_q, s_q] (matching outs)");
+  check_contiguous(outs, "outs");
+  check_contiguous(lses, "lses");
+  if (n * bs * s_q * h_q > INT32_MAX || n * bs * s_q * h_q * dv > (int64_t{1} << 40)) fail("merge_states: sizes overflow");
+
+  c10::cuda::CUDAGuard guard(outs.device());
+  at::Tensor out = at::empty({bs, s_q, h_q, dv}, outs.options());
+  at::Tensor lse = at::empty({bs, h_q, s_q}, lses.options());
+  MergeParams mp{};
+  mp.outs = outs.data_ptr();
+  mp.lses = lses.data_ptr<float>();
+  mp.out = out.data_ptr();
+  mp.lse = lse.data_ptr<float>();
+  mp.n = static_cast<int>(n);
+  mp.bs = static_cast<int>(bs);
+  mp.s_q = static_cast<int>(s_q);
+  mp.h_q = static_cast<int>(h_q);
+  mp.dv = static_cast<int>(dv);
+  mp.type = type;
+  const int64_t piece = type == 2 ? 4 : 8;  // elements per 16 bytes
+  mp.vec = dv % piece == 0 && reinterpret_cast<uintptr_t>(outs.data_ptr()) % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  check_launch(launch_merge(mp, at::cuda::getCurrentCUDAStream().stream()), "merge_states launch");
   return {out, lse};
 }
 

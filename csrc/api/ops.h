@@ -66,6 +66,10 @@ std::pair<at::Tensor, PlanParams> step_plan(const at::Tensor& lens, int64_t h_q,
 at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv);
 
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
+// N partial results of the same queries over disjoint key sets merged by their
+// LSE (decode context parallelism): outs [N, b, s_q, h_q, dv] bf16, fp16 or
+// fp32, lses [N, b, h_q, s_q] fp32 -> (out in outs' dtype, lse fp32).
+std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& outs, const at::Tensor& lses);
 
 // The query's RoPE and the cache append of a decode step in one launch
 // (csrc/kernels/projections/rope_append.h); implemented in ops_projections.cpp.

@@ -16,6 +16,7 @@ TORCH_LIBRARY(mla_decode, m) {
       "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None, int head_dim_v=512, "
       "Tensor? kpe_heads=None, Tensor? plan=None, bool split=True) -> ()");
   m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
+  m.def("merge_states(Tensor outs, Tensor lses) -> (Tensor, Tensor)");
   m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity, bool split=True) -> Tensor");
 }
 
@@ -23,5 +24,6 @@ TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
   m.impl("attention", &mla::api::attention);
   m.impl("attention_out", &mla::api::attention_out);
   m.impl("combine", &mla::api::combine);
+  m.impl("merge_states", &mla::api::merge_states);
   m.impl("plan", &mla::api::plan);
 }

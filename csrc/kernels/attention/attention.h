@@ -34,6 +34,7 @@ const char* launch_attention_portable(const AttnParams& p, stream_t stream);
 const char* launch_plan(const PlanParams& p, stream_t stream);
 const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
+const char* launch_merge(const MergeParams& p, stream_t stream);  // (combine.cu)
 
 // Hopper variant (attention_sm90.cu, wgmma, the two warpgroups on alternate
 // 64-key halves; NVIDIA sm_90a builds only): same contract and planner,

@@ -1,6 +1,7 @@
 // The combine: merges the fp32 partials of every split sequence by their
 // LSE into the output (the attention writes unsplit sequences itself).
-// Shared by the portable and the Hopper attention kernel.
+// Shared by the portable and the Hopper attention kernel. And the merge of N
+// whole partial results (decode context parallelism's ranks) by their LSE.
 #include "../../platform/bf16.h"
 #include "../../platform/vendor.h"
 
@@ -55,6 +56,83 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
   }
 }
 
+// The merge: thread i takes piece i % per_row of row i / per_row, a piece
+// being kV elements (16 bytes, or one element where the rows are not
+// 16-byte pieces); the row's weights come from its n LSEs (read by every
+// thread of the row: n floats from L1).
+constexpr int kMergeThreads = 256;
+
+template <int kType>
+MLA_DEVICE float load_elt(const void* base, int64_t i) {
+  if constexpr (kType == 2) return static_cast<const float*>(base)[i];
+  return Half16<kType == 1>::lo(static_cast<const uint16_t*>(base)[i]);  // (the low half of a word)
+}
+
+template <int kType, bool kVec>
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
+  constexpr int kV = !kVec ? 1 : kType == 2 ? 4 : 8;
+  const int per_row = p.dv / kV;
+  const int64_t rows = static_cast<int64_t>(p.bs) * p.s_q * p.h_q;
+  const int64_t i = static_cast<int64_t>(block_x()) * kMergeThreads + thread_x();
+  if (i >= rows * per_row) return;
+  const int64_t row = i / per_row;
+  const int piece = static_cast<int>(i % per_row);
+  const int h = static_cast<int>(row % p.h_q);
+  const int64_t bs_ = row / p.h_q;  // b * s_q + s
+  const int s = static_cast<int>(bs_ % p.s_q);
+  const int64_t b = bs_ / p.s_q;
+  const int64_t lrow = (b * p.h_q + h) * p.s_q + s;  // the row's LSE index in [bs, h_q, s_q]
+  const int64_t lstride = rows;
+  constexpr float kLog2e = 1.4426950408889634f;
+  float mx = neg_inf();
+  for (int r = 0; r < p.n; ++r) mx = fmaxf(mx, p.lses[r * lstride + lrow]);
+  float acc[kV];
+#pragma unroll
+  for (int k = 0; k < kV; ++k) acc[k] = 0.f;
+  float lse = neg_inf();
+  if (mx != neg_inf()) {
+    float sum = 0.f;
+    for (int r = 0; r < p.n; ++r) sum += fast_exp2((p.lses[r * lstride + lrow] - mx) * kLog2e);
+    lse = mx + fast_log2(sum) / kLog2e;
+    for (int r = 0; r < p.n; ++r) {
+      const float w = fast_exp2((p.lses[r * lstride + lrow] - lse) * kLog2e);
+      if (w == 0.f) continue;  // a partial that saw no key is never read
+      const int64_t e0 = (r * rows + row) * p.dv + static_cast<int64_t>(piece) * kV;
+      if constexpr (kVec) {
+        const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const char*>(p.outs) +
+                                                        e0 * (kType == 2 ? 4 : 2));
+        const uint32_t wd[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if constexpr (kType == 2) {
+            acc[k] += w * __builtin_bit_cast(float, wd[k]);
+          } else {
+            acc[2 * k] += w * Half16<kType == 1>::lo(wd[k]);
+            acc[2 * k + 1] += w * Half16<kType == 1>::hi(wd[k]);
+          }
+        }
+      } else {
+        acc[0] += w * load_elt<kType>(p.outs, e0);
+      }
+    }
+  }
+  const int64_t o0 = row * p.dv + static_cast<int64_t>(piece) * kV;
+  if constexpr (kType == 2) {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) static_cast<float*>(p.out)[o0 + k] = acc[k];
+  } else if constexpr (kVec) {
+    uint4 v;
+    v.x = Half16<kType == 1>::pack2(acc[0], acc[1]);
+    v.y = Half16<kType == 1>::pack2(acc[2], acc[3]);
+    v.z = Half16<kType == 1>::pack2(acc[4], acc[5]);
+    v.w = Half16<kType == 1>::pack2(acc[6], acc[7]);
+    *reinterpret_cast<uint4*>(static_cast<char*>(p.out) + o0 * 2) = v;
+  } else {
+    static_cast<bf16_t*>(p.out)[o0] = Half16<kType == 1>::from_float(acc[0]);
+  }
+  if (piece == 0) p.lse[lrow] = lse;
+}
+
 }  // namespace
 
 // As a programmatic dependent launch where p.pdl (NVIDIA), else a plain
@@ -82,6 +160,30 @@ const char* launch_combine(const CombineParams& p, stream_t stream) {
 #undef MLA_CASE
     default:
       return "launch_combine: unsupported value width (supported: 64, 128, 256, 512)";
+  }
+  return last_launch_error();
+}
+
+const char* launch_merge(const MergeParams& p, stream_t stream) {
+  if (p.n <= 0 || p.bs <= 0 || p.s_q <= 0 || p.h_q <= 0 || p.dv <= 0) return "launch_merge: empty sizes";
+  const int v = !p.vec ? 1 : p.type == 2 ? 4 : 8;
+  if (p.dv % v != 0) return "launch_merge: dv is not a whole number of 16-byte pieces";
+  const int64_t threads = static_cast<int64_t>(p.bs) * p.s_q * p.h_q * (p.dv / v);
+  const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
+  if (blocks > 0x7fffffff) return "launch_merge: too many rows";
+  const dim3 grid(static_cast<unsigned>(blocks));
+  switch (p.type * 2 + (p.vec ? 1 : 0)) {
+#define MLA_CASE(T)                                                               \
+  case 2 * T:                                                                     \
+    merge_kernel<T, false><<<grid, kMergeThreads, 0, stream>>>(p);                \
+    break;                                                                        \
+  case 2 * T + 1:                                                                 \
+    merge_kernel<T, true><<<grid, kMergeThreads, 0, stream>>>(p);                 \
+    break;
+    MLA_CASE(0) MLA_CASE(1) MLA_CASE(2)
+#undef MLA_CASE
+    default:
+      return "launch_merge: unsupported element type (bf16, fp16 or fp32)";
   }
   return last_launch_error();
 }

@@ -90,4 +90,17 @@ struct CombineParams {
   bool f16;                   // o is fp16 (else bf16)
 };
 
+// Merge of N partial results of the same queries over disjoint key sets (the
+// ranks of decode context parallelism): out = sum_r exp(lse_r - lse) out_r,
+// lse = logsumexp_r lse_r, in fp32; a partial with lse -inf is never read.
+struct MergeParams {
+  const void* outs;  // [n, bs, s_q, h_q, dv] in `type`
+  const float* lses;  // [n, bs, h_q, s_q]
+  void* out;          // [bs, s_q, h_q, dv] in `type`
+  float* lse;         // [bs, h_q, s_q]
+  int n, bs, s_q, h_q, dv;
+  int type;           // 0 bf16, 1 fp16, 2 fp32
+  bool vec;           // 16-byte pieces (dv a multiple of 16 bytes' elements, bases 16-byte aligned)
+};
+
 }  // namespace mla
