@@ -150,6 +150,33 @@ def test_merge_all_empty_gives_zero_and_neg_inf():
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,dv", [(1, 512), (2, 512), (4, 512), (3, 100), (2, 36)])
+def test_merge_kernel_matches_float64(dtype, n, dv):
+    # the GPU merge (one kernel) against the float64 PyTorch merge of the same partials; partials with
+    # lse -inf hold NaN (never read), one row has no key on any rank; dv 100 / 36: bf16/fp16 rows that are
+    # not whole 16-byte pieces (the element path), fp32 rows that are (dv 100) or not (36)
+    b, s_q, h_q = 3, 2, 5
+    g = torch.Generator().manual_seed(n * 1000 + dv)
+    outs = torch.randn(n, b, s_q, h_q, dv, generator=g).to(dtype)
+    lses = torch.randn(n, b, h_q, s_q, generator=g) * 4
+    gone = torch.rand(n, b, h_q, s_q, generator=g) < 0.3
+    lses[gone] = float("-inf")
+    lses[:, 1, 2, 1] = float("-inf")  # (b 1, h 2, s 1): no key anywhere
+    outs = outs.clone()
+    outs.permute(0, 1, 3, 2, 4)[gone] = float("nan")
+    ref_o, ref_l = merge_attention_states(outs.double(), lses)
+    got_o, got_l = merge_attention_states(outs.cuda(), lses.cuda())
+    assert got_o.dtype == dtype and got_l.dtype == torch.float32 and got_o.is_cuda
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}[dtype]
+    close(got_o.cpu(), ref_o, tol, tol, f"merged out {dtype} n {n} dv {dv}")
+    close(got_l.cpu(), ref_l, 2e-5, 2e-6, f"merged lse {dtype} n {n} dv {dv}")
+    assert torch.equal(got_o[1, 1, 2].cpu(), torch.zeros(dv, dtype=dtype))
+    assert not torch.isnan(got_o).any()
+
+
 def test_merge_bad_inputs_raise():
     outs, lses = torch.zeros(2, 1, 1, 4, 8), torch.zeros(2, 1, 4, 1)
     with pytest.raises(TypeError, match="lses must be float32"):
@@ -353,6 +380,21 @@ def _worker(rank, world, port, dist_backend, device_kind, cases, shape, attn_bac
             for b, L in enumerate(lens):
                 if L == 0:
                     assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all(), what
+            # the rank's heads alone (a reduce-scatter over the heads)
+            args_ = (q.to(device), kc.to(device), tb.to(device), sl.to(device), dv, scale)
+            if h_q % world == 0:
+                hs = h_q // world
+                so, sls = dcp_attention(*args_, causal=causal, backend=attn_backend, scatter_heads=True)
+                assert so.dtype == dtype and so.shape == (len(lens), s_q, hs, dv) and so.is_contiguous(), \
+                    f"{what}: {so.dtype} {tuple(so.shape)} contiguous {so.is_contiguous()}"
+                assert sls.shape == (len(lens), hs, s_q), what
+                heads = slice(rank * hs, (rank + 1) * hs)
+                close(so.cpu(), ro[:, :, heads], 1e-5 if dtype == torch.float32 else 1e-2, 1e-5 if dtype ==
+                      torch.float32 else 2e-2, f"scattered out, {what}")
+                close(sls.cpu(), rl[:, heads], 2e-3 if device != "cpu" else 1e-5, 1e-5, f"scattered lse, {what}")
+            else:
+                with pytest.raises(ValueError, match="multiple of the group's size"):
+                    dcp_attention(*args_, causal=causal, backend=attn_backend, scatter_heads=True)
             # every rank holds the same result (gathered where the backend works: NCCL on the GPU)
             pair = torch.cat([out.float().reshape(-1), lse.reshape(-1)]).to(device)
             got = [torch.empty_like(pair) for _ in range(world)]
@@ -370,10 +412,11 @@ def test_dcp_attention_gloo(world):
 
 # ---------------------------------------------------------------------------- (d) GPUs
 
-two_gpus = pytest.mark.skipif(
-    not (mla_decode.kernels_usable("cuda") and torch.cuda.device_count() >= 2),
-    reason=f"needs 2 GPUs with the compiled kernels (visible: "
-           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; {mla_decode.backend('cuda')})")
+def gpus(n):
+    return pytest.mark.skipif(
+        not (mla_decode.kernels_usable("cuda") and torch.cuda.device_count() >= n),
+        reason=f"needs {n} GPUs with the compiled kernels (visible: "
+               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; {mla_decode.backend('cuda')})")
 
 GPU_CASES = [
     ("interleaved", None, 64, 1, False, torch.bfloat16, [0, 1, 2, 513, 4097, 1000, 64, 65]),
@@ -384,9 +427,9 @@ GPU_CASES = [
 
 
 @needs_gpu
-@two_gpus
 @pytest.mark.gpu
-def test_dcp_attention_nccl_two_gpus():
+@pytest.mark.parametrize("world", [pytest.param(2, marks=gpus(2)), pytest.param(4, marks=gpus(4))])
+def test_dcp_attention_nccl(world):
     # DeepSeek's shape: d 576, dv 512, h_q 128; the kernels on each rank, NCCL between them
-    mp.spawn(_worker, args=(2, _free_port(), "nccl", "cuda", GPU_CASES, (576, 512, 128), "kernels"), nprocs=2,
-             join=True)
+    mp.spawn(_worker, args=(world, _free_port(), "nccl", "cuda", GPU_CASES, (576, 512, 128), "kernels"),
+             nprocs=world, join=True)
