@@ -69,8 +69,8 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     rope_cs: None (keys used as stored) or ``rope_table(...)`` (the last rope
     key columns rotated at their position on the fly, the task's RoPE; bf16).
     kpe: None, or [bs, >= max_seq_len, rope] rows that replace the key's last
-    rope columns (not with block_table): MLADecoder passes its rotated copy of
-    the cache's k_pe, so no rotation runs in the kernel.
+    rope columns (not with block_table), used as stored (for a caller that
+    keeps its keys' rope part apart, already rotated).
     kpe_heads: None, or per-head rope keys (MHA2MLA) [bs, >= max_seq_len, h_q,
     rope] (paged: [num_blocks, block_size, h_q, rope], the pages of kv); kv
     rows are then the dv latent columns alone, and the score of head h is

@@ -116,7 +116,7 @@ def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=Non
     tables = (rope_cs [P, rope] cos|sin as the kernels take it, cos2, sin2
     [P, rope] in the [a, a] layout). With ``kpe`` [bs, >= max_seq_len,
     rope], the new row's k_pe rotated at its position goes to kpe[b, pos]
-    (the decoder's rotated copy of the cache's keys). Returns the
+    as well (for a caller keeping its keys' rope part apart, rotated). Returns the
     attention's query view of qbuf, [bs, 1, H, r + rope]."""
     rope = q_pe.shape[-1]
     q_out = _rope_out(qbuf, rope)
