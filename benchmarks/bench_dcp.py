@@ -2,6 +2,7 @@
 attention over a paged cache split across N GPUs, against one GPU.
 
     python3 benchmarks/bench_dcp.py [--worlds 1 2 4] [--means 16384 32768] [--bs 128] [--h-q 128] [--iters 30]
+    python3 benchmarks/bench_dcp.py --layer [--worlds 1 2 4] [--prefills 6144] [--iters 30]
 
 Per world size N (those above the visible GPU count are skipped, said in one
 line): N processes, one per GPU (torch.multiprocessing, NCCL; NVLink
@@ -31,13 +32,24 @@ outside the timing); the numbers printed are the slowest rank's medians:
   would fill the free memory measured on the rank before its cache was made
   (computed from torch.cuda.mem_get_info, not run).
 
-A benchmark asserts nothing; tests/test_dcp.py checks the results."""
+With --layer: the DCP decode step of custom_kernel's layer
+(mla_decode.dcp_step.DCPDecoder) at the task's shape, bs 128, per
+--prefills (default 6144), for each N: the step timed as the task harness
+times it (synchronize, wall clock, call, synchronize; the ranks aligned by
+a barrier outside the timing; repeated calls at one position), one step by
+device events, and the exchange alone (all-gather of (out, lse) and the
+merge); beside it, on rank 0, custom_kernel's own step on the whole cache
+(its replayed graph) and DCPDecoder with N = 1.
+
+A benchmark asserts nothing; tests/test_dcp.py and tests/test_dcp_step.py
+check the results."""
 
 import argparse
 import os
 import socket
 import statistics
 import sys
+import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -137,6 +149,93 @@ def worker(rank, world, port, args, queue):
         dist.destroy_process_group()
 
 
+def wall(fn, iters):
+    times = []
+    for i in range(iters + 3):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def layer_worker(rank, world, port, args, queue):
+    import mla_decode
+    from mla_decode.dcp import _all_gather_pair, merge_attention_states
+    from mla_decode.dcp_step import DCPDecoder, dcp_shard_task_cache
+    from mla_decode.reference import generate_input
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev)
+    try:
+        for prefill in args.prefills:
+            config, x, kv = generate_input(batch_size=args.bs, prefill=prefill, seed=prefill, device=dev)
+            one = one_dcp = float("nan")
+            if world == 1:
+                def again(f, cache):
+                    def call():
+                        f(config, x, cache)
+                        cache.seq_len = prefill
+                    return call
+                one = wall(again(mla_decode.MLADecoder(), kv), args.iters)
+            local = dcp_shard_task_cache(kv, rank, world)
+            del kv
+            torch.cuda.empty_cache()
+            dec = DCPDecoder()
+
+            def step():
+                dec(config, x, local)
+                local.seq_len = prefill
+            t = wall(step, args.iters)
+            ev = timed(step, args.iters)
+            H = config.n_heads
+            out = torch.zeros(args.bs, 1, H, config.kv_lora_rank, dtype=torch.bfloat16, device=dev)
+            lse = torch.zeros(args.bs, H, 1, dtype=torch.float32, device=dev)
+            ex = timed(lambda: merge_attention_states(*_all_gather_pair(out, lse, world, None)), args.iters) \
+                if world > 1 else 0.0
+            vals = torch.tensor([t, ev, ex], dtype=torch.float64, device=dev)
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                queue.put(dict(world=world, prefill=prefill, step=vals[0].item(), events=vals[1].item(),
+                               exchange=vals[2].item(), single=one, backend=dec.last_backend,
+                               device=torch.cuda.get_device_name(dev)))
+            del local, config, x
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+def main_layer(args, ngpu, ctx):
+    rows = []
+    for world in args.worlds:
+        if world > ngpu:
+            print(f"# N = {world}: skipped, {ngpu} GPU(s) visible")
+            continue
+        queue = ctx.Queue()
+        mp.start_processes(layer_worker, args=(world, free_port(), args, queue), nprocs=world, join=True,
+                           start_method="spawn")
+        while not queue.empty():
+            rows.append(queue.get())
+    if not rows:
+        return 1
+    print(f"# mla_decode bench_dcp --layer | {rows[0]['device']} | backend {rows[0]['backend']} | bs {args.bs} | "
+          f"the slowest rank's medians, us")
+    print(f"{'N':>2} {'prefill':>7} {'DCP step (harness)':>18} {'x N=1':>6} {'DCP step (events)':>17} "
+          f"{'exchange':>8} {'custom_kernel, one GPU':>22}")
+    base = {r["prefill"]: r for r in rows if r["world"] == 1}
+    for r in sorted(rows, key=lambda r: (r["prefill"], r["world"])):
+        ref = base.get(r["prefill"])
+        rel = f"{r['step'] / ref['step']:.2f}" if ref else "-"
+        print(f"{r['world']:>2} {r['prefill']:>7} {r['step']:>18.1f} {rel:>6} {r['events']:>17.1f} "
+              f"{r['exchange']:>8.1f} {r['single']:>22.1f}")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
@@ -144,12 +243,16 @@ def main():
     ap.add_argument("--bs", type=int, default=128)
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--layer", action="store_true", help="the DCP decode step of the layer instead of serving")
+    ap.add_argument("--prefills", type=int, nargs="+", default=[6144], help="with --layer")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_dcp: needs GPUs (none visible)")
         return 1
     ngpu = torch.cuda.device_count()
     ctx = mp.get_context("spawn")
+    if args.layer:
+        return main_layer(args, ngpu, ctx)
     rows = []
     for world in args.worlds:
         if world > ngpu:
