@@ -30,7 +30,7 @@ struct StepKey {
 
 // One step enqueued on the current stream: y, the paths taken, and the
 // planner's launch that writes the step's lengths (plan.fill_lens, all
-// plan.fill_len) and its attention's split plan. With fill_lengths false the
+// plan.fill_len) and its attention's split plan. With launch_planner false the
 // step leaves that launch to its caller (a captured step: every replay makes
 // it with the call's length before the graph's launch).
 struct StepOut {
@@ -38,7 +38,7 @@ struct StepOut {
   int64_t ran = 0;
   PlanParams plan{};
 };
-using StepEnqueue = std::function<StepOut(bool fill_lengths)>;
+using StepEnqueue = std::function<StepOut(bool launch_planner)>;
 
 // Runs the step on the current stream of the current device: replays the
 // graph captured for `key` after filling its lengths with `len`, y copied out
