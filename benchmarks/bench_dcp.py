@@ -49,13 +49,15 @@ import os
 import socket
 import statistics
 import sys
-import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import wall_ranks  # noqa: E402
 
 D, DV, PAGE = 576, 512, 64
 
@@ -149,19 +151,6 @@ def worker(rank, world, port, args, queue):
         dist.destroy_process_group()
 
 
-def wall(fn, iters):
-    times = []
-    for i in range(iters + 3):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
 def layer_worker(rank, world, port, args, queue):
     import mla_decode
     from mla_decode.dcp import _all_gather_pair, merge_attention_states
@@ -182,7 +171,7 @@ def layer_worker(rank, world, port, args, queue):
                         f(config, x, cache)
                         cache.seq_len = prefill
                     return call
-                one = wall(again(mla_decode.MLADecoder(), kv), args.iters)
+                one = wall_ranks(again(mla_decode.MLADecoder(), kv), args.iters)
             local = dcp_shard_task_cache(kv, rank, world)
             del kv
             torch.cuda.empty_cache()
@@ -191,7 +180,7 @@ def layer_worker(rank, world, port, args, queue):
             def step():
                 dec(config, x, local)
                 local.seq_len = prefill
-            t = wall(step, args.iters)
+            t = wall_ranks(step, args.iters)
             ev = timed(step, args.iters)
             H = config.n_heads
             out = torch.zeros(args.bs, 1, H, config.kv_lora_rank, dtype=torch.bfloat16, device=dev)
@@ -210,17 +199,24 @@ def layer_worker(rank, world, port, args, queue):
         dist.destroy_process_group()
 
 
-def main_layer(args, ngpu, ctx):
+def run_worlds(fn, args, ngpu, ctx):
+    """fn(rank, world, port, args, queue) in `world` processes for each
+    world size of args.worlds that the visible GPUs allow; the rows rank 0
+    put on the queue."""
     rows = []
     for world in args.worlds:
         if world > ngpu:
             print(f"# N = {world}: skipped, {ngpu} GPU(s) visible")
             continue
         queue = ctx.Queue()
-        mp.start_processes(layer_worker, args=(world, free_port(), args, queue), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(fn, args=(world, free_port(), args, queue), nprocs=world, join=True, start_method="spawn")
         while not queue.empty():
             rows.append(queue.get())
+    return rows
+
+
+def main_layer(args, ngpu, ctx):
+    rows = run_worlds(layer_worker, args, ngpu, ctx)
     if not rows:
         return 1
     print(f"# mla_decode bench_dcp --layer | {rows[0]['device']} | backend {rows[0]['backend']} | bs {args.bs} | "
@@ -253,16 +249,7 @@ def main():
     ctx = mp.get_context("spawn")
     if args.layer:
         return main_layer(args, ngpu, ctx)
-    rows = []
-    for world in args.worlds:
-        if world > ngpu:
-            print(f"# N = {world}: skipped, {ngpu} GPU(s) visible")
-            continue
-        queue = ctx.Queue()
-        mp.start_processes(worker, args=(world, free_port(), args, queue), nprocs=world, join=True,
-                           start_method="spawn")
-        while not queue.empty():
-            rows.append(queue.get())
+    rows = run_worlds(worker, args, ngpu, ctx)
     if not rows:
         return 1
     print(f"# mla_decode bench_dcp | {rows[0]['device']} | backend {rows[0]['backend']} | bs {args.bs}, "

@@ -17,9 +17,7 @@ NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set)."""
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -30,21 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode.reference import generate_input  # noqa: E402
 from mla_decode.tp import TPDecoder  # noqa: E402
-from common import time_events, time_graph  # noqa: E402
-
-
-def wall(fn, iters, aligned):
-    times = []
-    for i in range(iters + 3):
-        torch.cuda.synchronize()
-        if aligned:
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+from common import time_events, time_graph, wall_ranks  # noqa: E402
 
 
 def main():
@@ -69,13 +53,13 @@ def main():
         if rank == 0:
             kv1 = kv.clone()
             single = mla_decode.MLADecoder(backend="kernels")
-            t1 = wall(lambda: single(config, x, kv1), args.iters, aligned=False)
+            t1 = wall_ranks(lambda: single(config, x, kv1), args.iters, aligned=False)
             t1g = time_graph(lambda: single(config, x, kv1), iters=args.iters) * 1e3
             del kv1
         dist.barrier()
         tp = TPDecoder(config, rank, world, backend="kernels")
-        tn = wall(lambda: tp(x, kv), args.iters, aligned=True)
-        tpart = wall(lambda: tp.partial(x, kv), args.iters, aligned=True)  # this rank's share, no all-reduce
+        tn = wall_ranks(lambda: tp(x, kv), args.iters)
+        tpart = wall_ranks(lambda: tp.partial(x, kv), args.iters)  # this rank's share, no all-reduce
         tpg = time_graph(lambda: tp.partial(x, kv), iters=args.iters) * 1e3  # its device time alone
         tdev = time_events(lambda: tp(x, kv), iters=args.iters) * 1e3     # one whole step by device events
         y = torch.zeros(args.bs, config.dim, dtype=torch.bfloat16, device=dev)

@@ -185,3 +185,23 @@ def copy_bandwidth_gbs(mib=1024, iters=20):
     dst = torch.empty_like(src)
     ms = time_events(lambda: dst.copy_(src), iters=iters)
     return 2 * src.numel() / ms / 1e6
+
+
+def wall_ranks(fn, iters, aligned=True):
+    """Median microseconds of fn() as the task harness times a call
+    (synchronize, wall clock, call, synchronize) after 3 warm-up calls; with
+    `aligned` the ranks of the default process group meet at a barrier
+    before each call, outside the timing."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(iters + 3):
+        torch.cuda.synchronize()
+        if aligned:
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)

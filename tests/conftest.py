@@ -1,4 +1,6 @@
 import math
+import os
+import socket
 
 import pytest
 import torch
@@ -11,6 +13,35 @@ ATOL, RTOL = 8e-3, 2e-2
 
 GPU_REASON = f"needs a GPU with the compiled kernels: {mla_decode.backend('cuda')}"
 needs_gpu = pytest.mark.skipif(not mla_decode.kernels_usable("cuda"), reason=GPU_REASON)
+
+
+def gpus(n):
+    """Skip unless n GPUs with the compiled kernels are visible (the reason says how many are)."""
+    return pytest.mark.skipif(
+        not (mla_decode.kernels_usable("cuda") and torch.cuda.device_count() >= n),
+        reason=f"needs {n} GPUs with the compiled kernels (visible: "
+               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; {mla_decode.backend('cuda')})")
+
+
+def free_port():
+    """A free TCP port on 127.0.0.1 for a spawned process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank, world, port, dist_backend, device_kind):
+    """A spawned test process's setup: NVLink multicast off, its GPU current
+    (device_kind "cuda": rank r on cuda:r), the process group joined. Returns
+    its device ("cpu" or "cuda:r")."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    device = "cpu" if device_kind == "cpu" else f"cuda:{rank}"
+    if device != "cpu":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return device
 
 SMALL = dict(dim=96, q_lora_rank=48, n_heads=4, kv_lora_rank=32, nope=16, rope=8, v=24, max_seq_len=64)
 

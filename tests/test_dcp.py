@@ -5,9 +5,6 @@ and dcp_attention in 2 and 3 gloo processes against the single-process
 float64 reference on the full cache. A 2-GPU NCCL variant with the kernels
 (skips with the reason where fewer GPUs are visible)."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,18 +16,12 @@ from mla_decode.attention import kv_rows_bf16
 from mla_decode.dcp import (dcp_attention, dcp_global_positions, dcp_local_lengths, dcp_shard_cache,
                             merge_attention_states)
 
-from conftest import needs_gpu
+from conftest import free_port, gpus, init_rank, needs_gpu
 
 DV, ROPE = 64, 8
 D = DV + ROPE
 H_Q = 4
 LENS = [0, 1, 2, 5, 16, 17, 63, 100, 129]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_paged(lens, page, d=D, h_q=H_Q, s_q=1, seed=0, dtype=torch.float32):
@@ -350,12 +341,8 @@ CPU_CASES = [
 
 
 def _worker(rank, world, port, dist_backend, device_kind, cases, shape, attn_backend):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    device = "cpu" if device_kind == "cpu" else f"cuda:{rank}"
-    if device != "cpu":
-        torch.cuda.set_device(rank)
     torch.set_num_threads(1)
-    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = init_rank(rank, world, port, dist_backend, device_kind)
     try:
         d, dv, h_q = shape
         for i, (layout, chunk, page, s_q, causal, dtype, lens) in enumerate(cases):
@@ -406,17 +393,12 @@ def _worker(rank, world, port, dist_backend, device_kind, cases, shape, attn_bac
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_dcp_attention_gloo(world):
-    mp.spawn(_worker, args=(world, _free_port(), "gloo", "cpu", CPU_CASES, (D, DV, H_Q), "torch"), nprocs=world,
+    mp.spawn(_worker, args=(world, free_port(), "gloo", "cpu", CPU_CASES, (D, DV, H_Q), "torch"), nprocs=world,
              join=True)
 
 
 # ---------------------------------------------------------------------------- (d) GPUs
 
-def gpus(n):
-    return pytest.mark.skipif(
-        not (mla_decode.kernels_usable("cuda") and torch.cuda.device_count() >= n),
-        reason=f"needs {n} GPUs with the compiled kernels (visible: "
-               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; {mla_decode.backend('cuda')})")
 
 GPU_CASES = [
     ("interleaved", None, 64, 1, False, torch.bfloat16, [0, 1, 2, 513, 4097, 1000, 64, 65]),
@@ -431,5 +413,5 @@ GPU_CASES = [
 @pytest.mark.parametrize("world", [pytest.param(2, marks=gpus(2)), pytest.param(4, marks=gpus(4))])
 def test_dcp_attention_nccl(world):
     # DeepSeek's shape: d 576, dv 512, h_q 128; the kernels on each rank, NCCL between them
-    mp.spawn(_worker, args=(world, _free_port(), "nccl", "cuda", GPU_CASES, (576, 512, 128), "kernels"),
+    mp.spawn(_worker, args=(world, free_port(), "nccl", "cuda", GPU_CASES, (576, 512, 128), "kernels"),
              nprocs=world, join=True)

@@ -9,9 +9,6 @@ the one-process decoder's cache's. On the CPU with gloo (2 and 3 processes,
 the PyTorch backend, small dims); on 2 and 4 GPUs with NCCL and the kernels at
 the task's shapes where they are visible (skipped with the reason otherwise)."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -20,23 +17,13 @@ import mla_decode
 from mla_decode.dcp_step import DCPCache, DCPDecoder, dcp_shard_task_cache
 from mla_decode.reference import decode_step_float64, generate_input, ref_kernel
 
-from conftest import SMALL, assert_drift, assert_task_rule, needs_gpu
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import SMALL, assert_drift, assert_task_rule, free_port, gpus, init_rank, needs_gpu
 
 
 def _worker(rank, world, port, dist_backend, device_kind, cases, steps, backend, shape):
     import torch.distributed as dist
 
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    device = "cpu" if device_kind == "cpu" else f"cuda:{rank}"
-    if device != "cpu":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = init_rank(rank, world, port, dist_backend, device_kind)
     try:
         for bs, prefill in cases:
             config, x, kv = generate_input(batch_size=bs, prefill=prefill, seed=prefill + bs, device=device, **shape)
@@ -72,7 +59,7 @@ def _worker(rank, world, port, dist_backend, device_kind, cases, steps, backend,
 def test_dcp_step_gloo(world):
     # prefill 0 and 1: some ranks hold no row at first
     cases = [(3, 0), (2, 1), (3, 5), (2, 20)]
-    mp.spawn(_worker, args=(world, _free_port(), "gloo", "cpu", cases, 12, "torch", SMALL), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), "gloo", "cpu", cases, 12, "torch", SMALL), nprocs=world, join=True)
 
 
 def test_shard_task_cache_and_errors():
@@ -111,19 +98,12 @@ def test_dcp_step_full_and_bad_inputs_world_of_one():
         dist.destroy_process_group()
 
 
-def gpus(n):
-    return pytest.mark.skipif(
-        not (mla_decode.kernels_usable("cuda") and torch.cuda.device_count() >= n),
-        reason=f"needs {n} GPUs with the compiled kernels (visible: "
-               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; {mla_decode.backend('cuda')})")
-
-
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [pytest.param(2, marks=gpus(2)), pytest.param(4, marks=gpus(4))])
 def test_dcp_step_gpus_task_shapes(world):
     # bs 128 at prefill 512 and 6144 (two steps each), then an 8-step loop from 511
-    mp.spawn(_worker, args=(world, _free_port(), "nccl", "cuda", [(128, 512), (128, 6144)], 2, "kernels", {}),
+    mp.spawn(_worker, args=(world, free_port(), "nccl", "cuda", [(128, 512), (128, 6144)], 2, "kernels", {}),
              nprocs=world, join=True)
-    mp.spawn(_worker, args=(world, _free_port(), "nccl", "cuda", [(128, 511)], 8, "kernels", {}), nprocs=world,
+    mp.spawn(_worker, args=(world, free_port(), "nccl", "cuda", [(128, 511)], 8, "kernels", {}), nprocs=world,
              join=True)

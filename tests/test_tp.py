@@ -4,9 +4,6 @@ kernels on 2 GPUs with NCCL (skips with the reason where fewer are visible).
 Every rank's y must match the single-process result under the task rule, and
 every rank's cache the single-process cache exactly."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -15,25 +12,15 @@ import mla_decode
 from mla_decode.reference import generate_input
 from mla_decode.tp import TPDecoder, shard_config
 
-from conftest import SMALL, assert_task_rule
+from conftest import SMALL, assert_task_rule, free_port, gpus, init_rank
 
 TP = 2
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, dist_backend, device_kind, cases, steps, decoder_backend, shape):
     import torch.distributed as dist
 
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    device = "cpu" if device_kind == "cpu" else f"cuda:{rank}"
-    if device != "cpu":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = init_rank(rank, world, port, dist_backend, device_kind)
     try:
         for bs, prefill in cases:
             config, x, kv = generate_input(batch_size=bs, prefill=prefill, seed=prefill + bs, device=device, **shape)
@@ -77,20 +64,17 @@ def test_shard_config_slices():
 
 
 def test_tp2_cpu_gloo():
-    mp.spawn(_worker, args=(TP, _free_port(), "gloo", "cpu", [(3, 5), (2, 20)], 16, "torch", SMALL), nprocs=TP,
+    mp.spawn(_worker, args=(TP, free_port(), "gloo", "cpu", [(3, 5), (2, 20)], 16, "torch", SMALL), nprocs=TP,
              join=True)
 
 
-two_gpus = pytest.mark.skipif(
-    not (mla_decode.kernels_usable("cuda") and torch.cuda.device_count() >= 2),
-    reason=f"needs 2 GPUs with the compiled kernels (visible: "
-           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; {mla_decode.backend('cuda')})")
+two_gpus = gpus(2)
 
 
 @two_gpus
 @pytest.mark.gpu
 def test_tp2_gpus_task_shapes():
     # prefill 512 and 6144 at bs=128 (one step each), then a 16-step loop from 512
-    mp.spawn(_worker, args=(TP, _free_port(), "nccl", "cuda", [(128, 512), (128, 6144)], 1, "kernels", {}),
+    mp.spawn(_worker, args=(TP, free_port(), "nccl", "cuda", [(128, 512), (128, 6144)], 1, "kernels", {}),
              nprocs=TP, join=True)
-    mp.spawn(_worker, args=(TP, _free_port(), "nccl", "cuda", [(128, 512)], 16, "kernels", {}), nprocs=TP, join=True)
+    mp.spawn(_worker, args=(TP, free_port(), "nccl", "cuda", [(128, 512)], 16, "kernels", {}), nprocs=TP, join=True)
