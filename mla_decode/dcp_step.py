@@ -27,10 +27,11 @@ j N + r. A step, on every rank with the same x:
 
 The cache per rank is 1/N of the rows; the weights and the projections'
 work are not divided (each rank streams all 374 MB at the task's shape).
-Verified on the CPU (gloo, 2 and 3 processes, the PyTorch backend) against
-the float64 step on the whole cache; the kernels backend's test
-(tests/test_dcp_step.py, 2 and 4 GPUs) has not run on GPUs yet, and nothing
-here is measured. See docs/multi_gpu.md.
+Verified on the CPU (gloo, 2 and 3 processes, the PyTorch backend; and the
+kernels branch in 2 and 4 processes with the attention op replaced by its
+PyTorch oracle) against the float64 step on the whole cache; the kernels
+backend's test on 2 and 4 GPUs (tests/test_dcp_step.py) has not run yet,
+and nothing here is measured. See docs/multi_gpu.md.
 """
 
 from __future__ import annotations

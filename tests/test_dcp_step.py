@@ -24,12 +24,23 @@ def _worker(rank, world, port, dist_backend, device_kind, cases, steps, backend,
     import torch.distributed as dist
 
     device = init_rank(rank, world, port, dist_backend, device_kind)
+    single_backend = backend
+    if backend == "oracle":  # the kernels branch on the CPU, the attention op replaced by its oracle
+        import mla_decode.dcp_step as ds
+
+        def op(q, kv, seqlens, scale, *, rope_cs=None, head_dim_v=512):
+            out, lse = mla_decode.attention_reference(q, kv, seqlens, scale, rope_cs=rope_cs, dtype=torch.float32,
+                                                      head_dim_v=head_dim_v)
+            return out.to(q.dtype), lse.float()
+        ds.mla_attention = op
+        ds.kernels_usable = lambda device=None: True
+        backend, single_backend = "kernels", "torch"
     try:
         for bs, prefill in cases:
             config, x, kv = generate_input(batch_size=bs, prefill=prefill, seed=prefill + bs, device=device, **shape)
             local = dcp_shard_task_cache(kv, rank, world)
             kv_ref = kv.clone()
-            single = mla_decode.MLADecoder(backend=backend)
+            single = mla_decode.MLADecoder(backend=single_backend)
             dec = DCPDecoder(backend=backend)
             g = torch.Generator(device=device).manual_seed(7)  # the same x on every rank
             for step in range(steps):
@@ -60,6 +71,16 @@ def test_dcp_step_gloo(world):
     # prefill 0 and 1: some ranks hold no row at first
     cases = [(3, 0), (2, 1), (3, 5), (2, 20)]
     mp.spawn(_worker, args=(world, free_port(), "gloo", "cpu", cases, 12, "torch", SMALL), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dcp_step_kernel_branch_with_the_attention_oracle(world):
+    # the kernels branch's own logic (each rank's RoPE rows at its tokens' global positions, its local lengths,
+    # the op's (out, lse) merged) with the attention op replaced by attention_reference, the op's semantics in
+    # PyTorch (the oracle of the attention tests), on the CPU: the sizes the kernels take (latent 512, rope 64)
+    shape = dict(dim=128, q_lora_rank=64, n_heads=2, kv_lora_rank=512, nope=16, rope=64, v=16, max_seq_len=40)
+    mp.spawn(_worker, args=(world, free_port(), "gloo", "cpu", [(2, 0), (2, 9)], 8, "oracle", shape), nprocs=world,
+             join=True)
 
 
 def test_shard_task_cache_and_errors():
