@@ -103,15 +103,21 @@ def timed(fn, iters):
     return statistics.median(times)
 
 
+def join(rank, world, port):
+    """A spawned rank's GPU made current and its NCCL group joined; returns the device."""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev)
+    return dev
+
+
 def worker(rank, world, port, args, queue):
     import mla_decode
     from mla_decode import dcp_attention, dcp_local_lengths, mla_attention
     from mla_decode.dcp import _all_gather_pair, _merge_scatter_heads, merge_attention_states
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=dev)
+    dev = join(rank, world, port)
     try:
         scale = D ** -0.5
         for mean in args.means:
@@ -157,10 +163,7 @@ def layer_worker(rank, world, port, args, queue):
     from mla_decode.dcp_step import DCPDecoder, dcp_shard_task_cache
     from mla_decode.reference import generate_input
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=dev)
+    dev = join(rank, world, port)
     try:
         for prefill in args.prefills:
             config, x, kv = generate_input(batch_size=args.bs, prefill=prefill, seed=prefill, device=dev)
