@@ -282,9 +282,10 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
     (kernels where usable on q's device, else torch). Then the all-gather of
     the ranks' (out, lse) over the group (torch.distributed: NCCL/RCCL into
     one tensor each for GPU tensors, gloo for CPU ones packed into one
-    buffer) and ``merge_attention_states`` (one kernel on a GPU). The kernels' partial out is rounded to q's
-    dtype before the merge (as the partials of vLLM's DCP are); the torch
-    backend's partials stay fp32 until the merged result is cast.
+    buffer) and ``merge_attention_states`` (one kernel on a GPU). The
+    kernels' partial out is rounded to q's dtype before the merge (as the
+    partials of vLLM's DCP are); the torch backend's partials stay fp32
+    until the merged result is cast.
 
     scatter_heads=True (h_q a multiple of the group's size N): rank r
     receives only heads [r h_q / N, (r + 1) h_q / N) of the merged result,
@@ -295,7 +296,8 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
     sum is not rounded to q's dtype on the way; NCCL's reduce_scatter on
     GPUs, an all-reduce and a slice on gloo). A rank then receives (N - 1) /
     N of its share's fp32 partial sums instead of N - 1 whole partials in
-    q's dtype: at N = 4, half the bytes of the all-gather.
+    q's dtype: at N = 4, half the bytes of the all-gather; yet on four H100s
+    it measured slower than the all-gather (docs/multi_gpu.md).
 
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32),
     equal on every rank (with scatter_heads: out [b, s_q, h_q / N, dv], lse
