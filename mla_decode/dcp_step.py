@@ -95,8 +95,9 @@ class DCPDecoder:
     backend: "kernels" (the GPU kernels: projections as on one GPU, the
     attention op with its on-the-fly key RoPE; kv_lora_rank 512 and rope 64),
     "torch" (PyTorch with the task reference's rounding, for the CPU), or
-    "auto" (kernels where they run on x's device and the sizes are theirs). Inputs are checked as custom_kernel checks them (MLAInputError
-    or TypeError, nothing written); a full local cache raises."""
+    "auto" (kernels where they run on x's device and the sizes are theirs).
+    Inputs are checked as custom_kernel checks them (MLAInputError or
+    TypeError, nothing written); a full local cache raises."""
 
     def __init__(self, group=None, backend: str = "auto"):
         if backend not in ("auto", "kernels", "torch"):
