@@ -1,7 +1,7 @@
 """The main job: correctness and timing of custom_kernel at the task's shapes,
 measured first the way the task's harness ranks it.
 
-    python benchmarks/bench_decode.py [--prefills 512 2048 4096 6144] [--json FILE] [--plot FILE.png]
+    python benchmarks/bench_decode.py [--prefills 512 2048 4096 6144] [--judged-only] [--json FILE] [--plot FILE.png]
 
 1. Judged (benchmarks/harness.py, the harness's own loops): benchmark mode
    per shape (one checked call, then up to 100 timed calls on that cache,
@@ -121,6 +121,8 @@ def run_shape(prefill, args, device, reduced, peaks, fm):
     res.update(bench_mean=st.mean, bench_best=st.best, bench_worst=st.worst, bench_first=st.first, bench_runs=st.runs)
     if device == "cuda":
         torch.cuda.empty_cache()
+    if args.judged_only:
+        return res
     # 2. steady state on one cache
     config, x, kv = make()
     dec = mla_decode.MLADecoder()
@@ -146,6 +148,26 @@ def run_shape(prefill, args, device, reduced, peaks, fm):
     return res
 
 
+def print_steady(ok_rows):
+    """The steady-state table (section 2)."""
+    nan = float("nan")
+    print("\n## steady state: warmed calls on one cache (median, us)")
+    print("(harness: wall clock between synchronizes; events: device events around one call; graph: one call "
+          "captured and replayed = device time; torch: PyTorch absorbed; flashmla: FlashMLA attention + PyTorch)")
+    print(f"{'prefill':>7} {'harness':>8} {'events':>8} {'graph':>8} {'torch':>8} {'flashmla':>8} {'floor':>7} "
+          f"{'%floor':>6} {'GB/s':>6} {'TFLOP/s':>7}")
+    for r in ok_rows:
+        fl = r.get("floor_us", nan)
+        print(f"{r['prefill']:>7} {r['us_harness']:>8.1f} {r.get('us_events', nan):>8.1f} {r.get('us_graph', nan):>8.1f} "
+              f"{r.get('us_torch', nan):>8.1f} {r.get('us_flashmla', nan):>8.1f} {fl:>7.1f} "
+              f"{100 * fl / r['us_harness']:>6.1f} {r.get('gbs', nan):>6.0f} {r.get('tflops', nan):>7.1f}")
+    line = f"geomean us: harness {geomean([r['us_harness'] for r in ok_rows]):.1f}"
+    for k in ("us_events", "us_graph", "us_torch", "us_flashmla", "floor_us"):
+        if ok_rows and all(k in r for r in ok_rows):
+            line += f" | {k[3:] if k.startswith('us_') else 'floor'} {geomean([r[k] for r in ok_rows]):.1f}"
+    print(line)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefills", type=int, nargs="+")
@@ -155,6 +177,7 @@ def main():
                     help="sequences per chunk of the reference check (0: the whole batch at once, as the task's "
                          "reference: up to ~100 GB at prefill 6144; falls back to 16 where the GPU has less)")
     ap.add_argument("--no-leaderboard", action="store_true")
+    ap.add_argument("--judged-only", action="store_true", help="the harness's loops alone (no steady-state section)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
@@ -212,21 +235,8 @@ def main():
             print(f"leaderboard mode (prefill {lb['prefill']}, fresh inputs every call): mean {lb['mean']:.1f} us, "
                   f"best {lb['best']:.1f}, worst {lb['worst']:.1f}, {lb['runs']} runs")
 
-    print("\n## steady state: warmed calls on one cache (median, us)")
-    print("(harness: wall clock between synchronizes; events: device events around one call; graph: one call "
-          "captured and replayed = device time; torch: PyTorch absorbed; flashmla: FlashMLA attention + PyTorch)")
-    print(f"{'prefill':>7} {'harness':>8} {'events':>8} {'graph':>8} {'torch':>8} {'flashmla':>8} {'floor':>7} "
-          f"{'%floor':>6} {'GB/s':>6} {'TFLOP/s':>7}")
-    for r in ok_rows:
-        fl = r.get("floor_us", nan)
-        print(f"{r['prefill']:>7} {r['us_harness']:>8.1f} {r.get('us_events', nan):>8.1f} {r.get('us_graph', nan):>8.1f} "
-              f"{r.get('us_torch', nan):>8.1f} {r.get('us_flashmla', nan):>8.1f} {fl:>7.1f} "
-              f"{100 * fl / r['us_harness']:>6.1f} {r.get('gbs', nan):>6.0f} {r.get('tflops', nan):>7.1f}")
-    line = f"geomean us: harness {geomean([r['us_harness'] for r in ok_rows]):.1f}"
-    for k in ("us_events", "us_graph", "us_torch", "us_flashmla", "floor_us"):
-        if ok_rows and all(k in r for r in ok_rows):
-            line += f" | {k[3:] if k.startswith('us_') else 'floor'} {geomean([r[k] for r in ok_rows]):.1f}"
-    print(line)
+    if not args.judged_only:
+        print_steady(ok_rows)
     correct = len(ok_rows) == len(rows) and not (lb and lb.get("error"))
     if not correct:
         print("CORRECTNESS CHECK FAILED (see 'check')")
@@ -241,8 +251,9 @@ def main():
         xs = [r["prefill"] for r in ok_rows]
         plt.figure(figsize=(6, 4))
         plt.plot(xs, [r["bench_mean"] for r in ok_rows], "o-", label="mla_decode (harness mean)")
-        plt.plot(xs, [r["us_harness"] for r in ok_rows], "o--", label="mla_decode (steady median)")
-        if gpu:
+        if not args.judged_only:
+            plt.plot(xs, [r["us_harness"] for r in ok_rows], "o--", label="mla_decode (steady median)")
+        if gpu and not args.judged_only:
             plt.plot(xs, [r["us_torch"] for r in ok_rows], "s--", label="PyTorch absorbed")
         if peaks and not reduced:
             plt.plot(xs, [r["floor_us"] for r in ok_rows], "k:", label=f"speed of light ({peaks[2]})")

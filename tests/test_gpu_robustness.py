@@ -314,9 +314,10 @@ def test_repeated_steps_replay_and_read_everything_anew():
     """Repeated calls on the same operands replay the step's captured graph:
     every replay reads x, the weights and the cache as they are now, returns
     a y of its own, and follows the caller's stream."""
-    mla_decode.release_cached()  # (no step captured by an earlier test)
     config, x, kv = _inputs(bs=8, prefill=100, seed=21)
     dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv.clone())  # (a device's first step is captured at once: not this test's subject)
+    mla_decode.release_cached()  # (no step captured by an earlier test)
     launches, kept = [], []
     side = torch.cuda.Stream()
     for step in range(6):
@@ -336,12 +337,87 @@ def test_repeated_steps_replay_and_read_everything_anew():
         assert_task_rule(y, y_ref, f"y at step {step}")
         assert_task_rule(data, data_ref, f"cache at step {step}")
         kept.append((y, y.clone()))
+    # the length moved back (a cache rewound, as a benchmark loop does) and then forward again:
+    # the replays take the call's length, not the one after the last replay's
+    for step, seq_len in enumerate([103, 103, 104, 101, 102], start=6):
+        kv.seq_len = seq_len
+        ref = kv.clone()
+        y, data = dec(config, x, kv)
+        launches.append(dec.last_paths["launch"])
+        y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
+        assert_task_rule(y, y_ref, f"y at step {step}, seq_len {seq_len}")
+        assert_task_rule(data, data_ref, f"cache at step {step}, seq_len {seq_len}")
+        assert kv.seq_len == seq_len + 1
+        kept.append((y, y.clone()))
     for i, (y, y0) in enumerate(kept):
         assert torch.equal(y, y0), f"the y of step {i} changed after later steps"
     if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
-        assert launches == ["eager"] + ["graph replay"] * 5, launches
+        # seen once: eager; seen again: eager, then captured; from the third call on: replays
+        assert launches == ["eager"] * 2 + ["graph replay"] * 9, launches
     mla_decode.release_cached()
     ref = kv.clone()
     y, data = dec(config, x, kv)
     assert dec.last_paths["launch"] == "eager"
     assert_task_rule(y, ref_kernel((config, x, ref), batch_chunk=8)[0], "y after release_cached")
+
+
+_FIRST_STEPS = r"""
+import torch, mla_decode
+from mla_decode.reference import generate_input, ref_kernel
+from conftest import assert_task_rule
+config, x, kv = generate_input(batch_size=8, prefill=100, seed=5, device="cuda")
+dec = mla_decode.MLADecoder(backend="kernels")
+launches = []
+for step in range(4):
+    ref = kv.clone()
+    y, data = dec(config, x, kv)
+    launches.append(dec.last_paths["launch"])
+    y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
+    assert_task_rule(y, y_ref, f"y at step {step}")
+    assert_task_rule(data, data_ref, f"cache at step {step}")
+print(launches)
+"""
+
+
+def test_first_step_of_a_process_is_captured_at_once():
+    """A process's first step on a GPU runs eagerly and is captured at once
+    (the one-time costs of a first capture go to the call that already pays
+    the libraries' start-up), so a repeat of it replays from the second call."""
+    import subprocess
+    import sys
+    if os.environ.get("MLA_DECODE_STEP_GRAPH") == "0":
+        pytest.skip("MLA_DECODE_STEP_GRAPH=0: no captured steps")
+    here = os.path.dirname(os.path.abspath(__file__))
+    # the mla_decode this process imported, and conftest
+    paths = [os.path.dirname(os.path.dirname(mla_decode.__file__)), here]
+    paths += [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    r = subprocess.run([sys.executable, "-c", _FIRST_STEPS], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == str(["eager"] + ["graph replay"] * 3), r.stdout
+
+
+def test_steps_taking_turns_are_captured_only_when_they_come_back_soon():
+    """Operands seen once run eagerly; a step whose operands come back within
+    four other first sights is captured and then replayed (two caches taking
+    turns); five taking turns stay eager (as the 61 layers of a model on one
+    decoder would)."""
+    if os.environ.get("MLA_DECODE_STEP_GRAPH") == "0":
+        pytest.skip("MLA_DECODE_STEP_GRAPH=0: no captured steps")
+    config, x, kv = _inputs(bs=8, prefill=100, seed=31)
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv.clone())  # (a device's first step is captured at once: not this test's subject)
+    for turns, want in ((2, ["eager"] * 4 + ["graph replay"] * 4), (5, ["eager"] * 10)):
+        mla_decode.release_cached()
+        caches = [kv.clone() for _ in range(turns)]
+        launches = []
+        for i in range(len(want)):
+            c = caches[i % turns]
+            ref = c.clone()
+            y, data = dec(config, x, c)
+            launches.append(dec.last_paths["launch"])
+            y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
+            assert_task_rule(y, y_ref, f"y at call {i} of {turns} caches taking turns")
+            assert_task_rule(data, data_ref, f"cache at call {i} of {turns} caches taking turns")
+        assert launches == want, (turns, launches)
+    mla_decode.release_cached()

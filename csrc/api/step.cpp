@@ -47,7 +47,7 @@ void check_input(const at::Tensor& t, const char* name, const at::Device& dev, c
 // The stages on the current stream (the operands checked by decode_step).
 StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd, const at::Tensor& w_qu,
                      const at::Tensor& w_kvu, const at::Tensor& w_o, const at::Tensor& cache, const at::Tensor& rope_cs,
-                     const std::vector<int64_t>& cfg, int64_t pos, int64_t want, bool launch_planner) {
+                     const std::vector<int64_t>& cfg, int64_t pos, int64_t want, int32_t* len_slot) {
   const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
   const int64_t bs = x.size(0);
   const at::Device dev = x.device();
@@ -57,15 +57,17 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   const at::Tensor w_uk = w_kv3.narrow(1, 0, nope);               // [H, nope, r]
   const at::Tensor w_uv_t = w_kv3.narrow(1, nope, v).transpose(1, 2);  // [H, r, v]
 
-  // ---- 0. every sequence's length (pos + 1) and the attention's split plan,
-  // one planner launch ahead of the projections (none of which it waits for)
+  // ---- 0. every sequence's length (pos + 1, or a captured step's *len_slot)
+  // and the attention's split plan, one planner launch ahead of the
+  // projections (none of which it waits for)
   const stream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
   const at::Tensor seqlens = at::empty({bs}, opts.dtype(at::kInt));
   // one part per sequence (no combine) where the planner could not split a batch of one length anyway
   const bool split = bs < plan_target_parts(dev.index(), 1, H);
   auto [plan, pp] = step_plan(seqlens, H, cache.size(1), split);
   pp.fill_len = static_cast<int32_t>(pos + 1);
-  if (launch_planner) check_launch(launch_plan(pp, stream), "decode step lengths and plan");
+  pp.len_slot = len_slot;
+  check_launch(launch_plan(pp, stream), "decode step lengths and plan");
 
   // ---- 1-2. down-projections: q_lora and the new latent row (the host
   // prepares the rest while they run)
@@ -128,7 +130,6 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   StepOut out;
   out.y = y;
   out.ran = ran;
-  out.plan = pp;
   return out;
 }
 
@@ -185,8 +186,8 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
   for (const at::Tensor* t : {&x, &w_qd, &w_kvd, &w_qu, &w_kvu, &w_o, &cache, &rope_cs}) key.add(*t);
   for (int64_t c : cfg) key.add(c);
   key.add(want);
-  const StepOut out = run_step(key, static_cast<int32_t>(pos + 1), [&](bool launch_planner) -> StepOut {
-    return enqueue_step(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, rope_cs, cfg, pos, want, launch_planner);
+  const StepOut out = run_step(key, static_cast<int32_t>(pos + 1), [&](int32_t* len_slot) -> StepOut {
+    return enqueue_step(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, rope_cs, cfg, pos, want, len_slot);
   });
   return {out.y, out.ran};
 }

@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,12 +35,15 @@ void StepKey::add(const at::Tensor& t) {
 namespace {
 
 constexpr size_t kMaxGraphs = 4;
+constexpr size_t kRecent = 4;  // a key seen again within this many other first sights is captured
 
 struct Entry {
   StepKey key;
   std::unique_ptr<at::cuda::CUDAGraph> graph;
   graph_exec_t exec = nullptr;
-  StepOut out;  // the captured step's y (in the pool), paths and planner launch
+  StepOut out;          // the captured step's y (in the pool) and paths
+  at::Tensor len_slot;  // int32 [1], outside the pool: the length the graph's planner reads and advances
+  int64_t next_len = -1;  // what the slot holds after the last replay (-1: not known)
   uint64_t used = 0;
 };
 
@@ -50,7 +54,8 @@ struct DeviceState {
   stream_t last = nullptr;    // the stream of that replay
   std::optional<c10::cuda::CUDAStream> side;  // where this device's steps are captured
   int graphs = 0;             // captured steps alive here (sharing `pool`)
-  StepKey last_eager;         // the previous eager call's key
+  std::vector<StepKey> recent;  // the last kRecent keys seen once (eager), oldest first
+  bool seen = false;          // a step has run here (the first one is captured at once)
   bool no_graphs = false;     // a capture failed here: eager from then on (warned once)
 };
 
@@ -77,10 +82,11 @@ void wait_done(DeviceState& ds) {
 StepOut replay(Entry& e, DeviceState& ds, int32_t len, stream_t stream) {
   if (ds.done == nullptr) check_launch(event_create(&ds.done), "decode step graph event");
   if (ds.last != nullptr && ds.last != stream) check_launch(stream_wait_event(stream, ds.done), "decode step graph wait");
-  PlanParams pp = e.out.plan;  // the lengths and the split plan, then the graph that reads them
-  pp.fill_len = len;
-  check_launch(launch_plan(pp, stream), "decode step lengths and plan");
+  const int64_t known = e.next_len;
+  e.next_len = -1;  // (unknown until the launches below are made)
+  if (known != len) check_launch(launch_set_len(e.len_slot.data_ptr<int32_t>(), len, stream), "decode step length");
   check_launch(graph_launch(e.exec, stream), "decode step graph launch");
+  e.next_len = static_cast<int64_t>(len) + 1;
   StepOut out = e.out;
   out.y = at::empty(e.out.y.sizes(), e.out.y.options());
   check_launch(memcpy_d2d_async(out.y.data_ptr(), e.out.y.data_ptr(), e.out.y.nbytes(), stream),
@@ -104,6 +110,7 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
   }
   auto e = std::make_unique<Entry>();
   e->key = key;
+  e->len_slot = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));  // (before the capture)
   e->graph = std::make_unique<at::cuda::CUDAGraph>();
   bool begun = false;
   try {
@@ -111,7 +118,7 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
     e->graph->capture_begin(ds.has_pool ? ds.pool : at::cuda::MempoolId_t{0, 0},
                             MLA_RT(StreamCaptureModeThreadLocal));
     begun = true;
-    e->out = enqueue(false);
+    e->out = enqueue(e->len_slot.data_ptr<int32_t>());
     e->graph->capture_end();  // (instantiates)
   } catch (...) {
     if (begun) {
@@ -139,22 +146,42 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
   const stream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(key.device)).stream();
   bool capturing = false;
   check_launch(stream_capturing(stream, &capturing), "decode step");
-  if (capturing || graphs_off()) return enqueue(true);  // (a caller's capture takes the eager launches)
+  if (capturing || graphs_off()) return enqueue(nullptr);  // (a caller's capture takes the eager launches)
 
   std::unique_lock<std::mutex> lock(mu);
+  {
+    DeviceState& ds = device_state(key.device);
+    if (ds.no_graphs) {
+      lock.unlock();
+      return enqueue(nullptr);
+    }
+    for (auto& e : entries)
+      if (e->key == key) return replay(*e, ds, len, stream);
+    // A device's first step is captured at once: the one-time costs of its
+    // first capture (graph pool, side stream, library handles: several ms)
+    // then land in the call that already pays the libraries' start-up.
+    auto it = std::find(ds.recent.begin(), ds.recent.end(), key);
+    const bool again = it != ds.recent.end() || !ds.seen;
+    ds.seen = true;
+    if (it != ds.recent.end()) ds.recent.erase(it);
+    if (!again) {  // a first sight: eager; captured if it comes back soon
+      if (ds.recent.size() >= kRecent) ds.recent.erase(ds.recent.begin());
+      ds.recent.push_back(key);
+      lock.unlock();
+      return enqueue(nullptr);
+    }
+  }
+  // A repeat (or the device's first step): this call runs eagerly, and the
+  // step is captured after its launches, while the GPU runs them (the
+  // capture's host work then costs the call little beyond the step's device
+  // time); the next call with this key replays.
+  lock.unlock();
+  StepOut out = enqueue(nullptr);
+  lock.lock();
   DeviceState& ds = device_state(key.device);
-  if (ds.no_graphs) {
-    lock.unlock();
-    return enqueue(true);
-  }
+  if (ds.no_graphs) return out;
   for (auto& e : entries)
-    if (e->key == key) return replay(*e, ds, len, stream);
-  if (!(ds.last_eager == key)) {  // a first sight: eager; captured if the next call repeats it
-    ds.last_eager = key;
-    lock.unlock();
-    return enqueue(true);
-  }
-  ds.last_eager = StepKey{};
+    if (e->key == key) return out;  // (another thread captured it meanwhile)
   if (entries.size() >= kMaxGraphs) {  // the least recently used step goes, after its replays
     auto lru = entries.begin();
     for (auto it = entries.begin(); it != entries.end(); ++it)
@@ -167,16 +194,18 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
   std::unique_ptr<Entry> e;
   try {
     e = capture(key, ds, enqueue);
-  } catch (const c10::Error& err) {  // nothing ran: the step runs eagerly, now and from then on
+    // its launch resources to the device now, ordered after this call's step (not in the next call's time)
+    check_launch(graph_upload(e->exec, stream), "decode step graph upload");
+  } catch (const c10::Error& err) {  // this call's step ran eagerly; the GPU stays eager from then on
     ds.no_graphs = true;
     TORCH_WARN_ONCE("mla_decode: the decode step could not be captured into a graph on cuda:", key.device,
                     ", so its launches are made anew on every call there (slower): ", err.what_without_backtrace());
-    lock.unlock();
-    return enqueue(true);
+    return out;
   }
+  e->used = ++tick;
   entries.push_back(std::move(e));
   ++ds.graphs;
-  return replay(*entries.back(), ds, len, stream);
+  return out;
 }
 
 void release_step_graphs() {
@@ -186,7 +215,7 @@ void release_step_graphs() {
   for (DeviceState& ds : devices) {
     ds.graphs = 0;
     ds.has_pool = false;
-    ds.last_eager = StepKey{};
+    ds.recent.clear();
   }
 }
 

@@ -1,10 +1,13 @@
 // The decode step's replay cache: a step whose operands (addresses and
 // layouts) are the same as the previous call's is captured once into a
-// CUDA/HIP graph and replayed from then on, with the sequences' length as the
-// graph's one per-call argument (written, with the attention's split plan, by
-// one planner launch ahead of the graph's). A replay reads the weights, x and the cache
-// where they lie, as an eager call does; it saves the host work of the
-// launches, which the GPU otherwise waits for at the start of every step.
+// CUDA/HIP graph and replayed from then on. The sequences' length is the
+// graph's one per-call argument: the graph's first node, the planner, reads
+// it from a device slot and advances it by one for the next replay, so a
+// replay at the length after the last one's is one graph launch; any other
+// length is written into the slot by one small launch first. A replay reads
+// the weights, x and the cache where they lie, as an eager call does; it
+// saves the host work of the launches, which the GPU otherwise waits for at
+// the start of every step.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,8 +15,6 @@
 #include <cstdint>
 #include <functional>
 #include <vector>
-
-#include "../kernels/attention/plan.h"
 
 namespace mla::api {
 
@@ -28,23 +29,24 @@ struct StepKey {
   bool operator==(const StepKey& o) const { return device == o.device && v == o.v; }
 };
 
-// One step enqueued on the current stream: y, the paths taken, and the
-// planner's launch that writes the step's lengths (plan.fill_lens, all
-// plan.fill_len) and its attention's split plan. With launch_planner false the
-// step leaves that launch to its caller (a captured step: every replay makes
-// it with the call's length before the graph's launch).
+// One step enqueued on the current stream: y and the paths taken. The step
+// starts with the planner's launch that writes its lengths and the
+// attention's split plan; with a null `len_slot` the length is the call's
+// own, otherwise (a captured step) the planner reads it from *len_slot and
+// advances it (PlanParams::len_slot).
 struct StepOut {
   at::Tensor y;
   int64_t ran = 0;
-  PlanParams plan{};
 };
-using StepEnqueue = std::function<StepOut(bool launch_planner)>;
+using StepEnqueue = std::function<StepOut(int32_t* len_slot)>;
 
 // Runs the step on the current stream of the current device: replays the
-// graph captured for `key` after filling its lengths with `len`, y copied out
-// into a new tensor (ran | kStepGraph); captures that graph first when the
-// previous call on this device had the same key; otherwise, and whenever the
-// stream is itself capturing or MLA_DECODE_STEP_GRAPH=0, runs `enqueue`.
+// graph captured for `key` at length `len`, y copied out into a new tensor
+// (ran | kStepGraph); otherwise runs `enqueue` eagerly, and when the previous
+// call on this device had the same key (or this is the device's first
+// step), captures the step after those launches (while the GPU runs them)
+// for the next call to replay. Always
+// eager while the stream is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
 StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue);
 
 // Drops every captured step (after their last replays have finished).

@@ -76,6 +76,11 @@ using graph_exec_t = MLA_RT(GraphExec_t);
 inline const char* graph_launch(graph_exec_t exec, stream_t stream) {
   return error_or_null(MLA_RT(GraphLaunch)(exec, stream));
 }
+// Moves a new graph's launch resources to the device ahead of its first
+// launch, ordered on `stream` (hipGraphUpload: ROCm 5.3 and later).
+inline const char* graph_upload(graph_exec_t exec, stream_t stream) {
+  return error_or_null(MLA_RT(GraphUpload)(exec, stream));
+}
 
 // Wait for everything enqueued on the current device. Error string or nullptr.
 inline const char* device_synchronize() { return error_or_null(MLA_RT(DeviceSynchronize)()); }

@@ -37,9 +37,17 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   __shared__ int total_s;
   pdl_trigger();  // the attention kernel may start its prologue; it waits for this plan before reading it
   const int tid = thread_x();
+  int fill_len = p.fill_len;
+  if (p.len_slot != nullptr) {  // read by thread 0 alone, which then advances it for the next replay
+    __shared__ int slot_s;
+    if (tid == 0) slot_s = *p.len_slot;
+    sync_threads();
+    fill_len = slot_s;
+    if (tid == 0) *p.len_slot = fill_len + 1;
+  }
   if (p.fill_lens != nullptr)  // (read by the kernels after this one, which the stream orders after it)
-    for (int b = tid; b < p.bs; b += p.threads) p.fill_lens[b] = p.fill_len;
-  auto len_of = [&](int b) { return p.fill_lens != nullptr ? p.fill_len : p.seqlens[b]; };
+    for (int b = tid; b < p.bs; b += p.threads) p.fill_lens[b] = fill_len;
+  auto len_of = [&](int b) { return p.fill_lens != nullptr ? fill_len : p.seqlens[b]; };
   auto tiles_from_len = [&](int b) {
     const int L = min(max(len_of(b), 0), p.max_len);  // never read past the cache
     return L > 0 ? (L + p.tile - 1) / p.tile : 0;
@@ -176,10 +184,20 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   }
 }
 
+// Sets a captured step's length slot (PlanParams::len_slot) before a replay
+// whose length is not the one its last replay left there.
+__global__ void set_len_kernel(int32_t* slot, int v) { *slot = v; }
+
 }  // namespace
+
+const char* launch_set_len(int32_t* slot, int v, stream_t stream) {
+  set_len_kernel<<<1, 1, 0, stream>>>(slot, v);
+  return last_launch_error();
+}
 
 const char* launch_plan(const PlanParams& p, stream_t stream) {
   if (p.bs <= 0 || p.target_parts <= 0 || p.tile <= 0) return "launch_plan: bad parameters";
+  if (p.len_slot != nullptr && p.fill_lens == nullptr) return "launch_plan: len_slot needs fill_lens";
   PlanParams q = p;
   q.threads = std::min(kPlanThreads, (p.bs + 63) / 64 * 64);
   plan_kernel<<<1, q.threads, 0, stream>>>(q);
