@@ -3,6 +3,7 @@ attention over a paged cache split across N GPUs, against one GPU.
 
     python3 benchmarks/bench_dcp.py [--worlds 1 2 4] [--means 16384 32768] [--bs 128] [--h-q 128] [--iters 30]
     python3 benchmarks/bench_dcp.py --layer [--worlds 1 2 4] [--prefills 6144] [--iters 30]
+    python3 benchmarks/bench_dcp.py --collectives [--worlds 2 4] [--iters 30]
 
 Per world size N (those above the visible GPU count are skipped, said in one
 line): N processes, one per GPU (torch.multiprocessing, NCCL; NVLink
@@ -37,9 +38,15 @@ With --layer: the DCP decode step of custom_kernel's layer
 --prefills (default 6144), for each N: the step timed as the task harness
 times it (synchronize, wall clock, call, synchronize; the ranks aligned by
 a barrier outside the timing; repeated calls at one position), one step by
-device events, and the exchange alone (all-gather of (out, lse) and the
-merge); beside it, on rank 0, custom_kernel's own step on the whole cache
+device events, and the exchange alone (the LSEs' all-gather, the scaling,
+the fp32 reduce-scatter over the heads and the fp32 all-reduce of y; where
+N does not divide the heads, the all-gather of (out, lse) and the merge);
+beside it, on rank 0, custom_kernel's own step on the whole cache
 (its replayed graph) and DCPDecoder with N = 1.
+
+With --collectives: each collective of the two merge paths alone at the
+task's sizes (the all-gathers of out and lse, the reduce-scatter of the
+heads in fp32 and bf16, the all-reduce of y in fp32).
 
 A benchmark asserts nothing; tests/test_dcp.py and tests/test_dcp_step.py
 check the results."""
@@ -138,7 +145,8 @@ def worker(rank, world, port, args, queue):
                 comm = timed(lambda: merge_attention_states(*_all_gather_pair(out, lse, world, None)), args.iters)
                 step_sc = timed(lambda: dcp_attention(q, k_cache, table, sl, DV, scale, scatter_heads=True),
                                 args.iters)
-                comm_sc = timed(lambda: _merge_scatter_heads(out, lse, world, rank, None, q.dtype), args.iters)
+                comm_sc = timed(lambda: _merge_scatter_heads(out, lse, world, rank, None, q.dtype, True),
+                                args.iters)
             else:
                 comm, step_sc, comm_sc = 0.0, step, 0.0
             cache_gb = k_cache.numel() * 2 / 1e9
@@ -159,7 +167,8 @@ def worker(rank, world, port, args, queue):
 
 def layer_worker(rank, world, port, args, queue):
     import mla_decode
-    from mla_decode.dcp import _all_gather_pair, merge_attention_states
+    from mla_decode.dcp import (_all_gather_lse, _all_gather_pair, _reduce_scatter_heads, _scaled_heads,
+                                merge_attention_states)
     from mla_decode.dcp_step import DCPDecoder, dcp_shard_task_cache
     from mla_decode.reference import generate_input
 
@@ -167,7 +176,7 @@ def layer_worker(rank, world, port, args, queue):
     try:
         for prefill in args.prefills:
             config, x, kv = generate_input(batch_size=args.bs, prefill=prefill, seed=prefill, device=dev)
-            one = one_dcp = float("nan")
+            one = one_ev = float("nan")
             if world == 1:
                 def again(f, cache):
                     def call():
@@ -175,6 +184,7 @@ def layer_worker(rank, world, port, args, queue):
                         cache.seq_len = prefill
                     return call
                 one = wall_ranks(again(mla_decode.MLADecoder(), kv), args.iters)
+                one_ev = timed(again(mla_decode.MLADecoder(), kv), args.iters)
             local = dcp_shard_task_cache(kv, rank, world)
             del kv
             torch.cuda.empty_cache()
@@ -188,18 +198,75 @@ def layer_worker(rank, world, port, args, queue):
             H = config.n_heads
             out = torch.zeros(args.bs, 1, H, config.kv_lora_rank, dtype=torch.bfloat16, device=dev)
             lse = torch.zeros(args.bs, H, 1, dtype=torch.float32, device=dev)
-            ex = timed(lambda: merge_attention_states(*_all_gather_pair(out, lse, world, None)), args.iters) \
-                if world > 1 else 0.0
+            y32 = torch.zeros(args.bs, config.dim, dtype=torch.float32, device=dev)
+
+            def exchange():  # the step's collectives and the scaling between them (dcp_step, H % N == 0)
+                heads, _ = _scaled_heads(out, _all_gather_lse(lse, world, None), rank, torch.float32, True)
+                _reduce_scatter_heads(heads, world, rank, None)
+                dist.all_reduce(y32)
+            if world > 1 and H % world == 0:
+                ex = timed(exchange, args.iters)
+            elif world > 1:
+                ex = timed(lambda: merge_attention_states(*_all_gather_pair(out, lse, world, None)), args.iters)
+            else:
+                ex = 0.0
             vals = torch.tensor([t, ev, ex], dtype=torch.float64, device=dev)
             dist.all_reduce(vals, op=dist.ReduceOp.MAX)
             if rank == 0:
                 queue.put(dict(world=world, prefill=prefill, step=vals[0].item(), events=vals[1].item(),
-                               exchange=vals[2].item(), single=one, backend=dec.last_backend,
+                               exchange=vals[2].item(), single=one, single_ev=one_ev, backend=dec.last_backend,
                                device=torch.cuda.get_device_name(dev)))
             del local, config, x
             torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
+
+
+def collectives_worker(rank, world, port, args, queue):
+    """Each collective of the DCP paths alone, at the task's sizes (bs, h_q
+    heads of 512 latent columns, y of 7168), device events."""
+    dev = join(rank, world, port)
+    try:
+        b, h = args.bs, args.h_q
+        out = torch.zeros(b, 1, h, DV, dtype=torch.bfloat16, device=dev)
+        lse = torch.zeros(b, h, 1, dtype=torch.float32, device=dev)
+        heads32 = torch.zeros(h, b, 1, DV, dtype=torch.float32, device=dev)
+        heads16 = heads32.to(torch.bfloat16)
+        y32 = torch.zeros(b, 7168, dtype=torch.float32, device=dev)
+        outs = torch.empty(world, *out.shape, dtype=out.dtype, device=dev)
+        lses = torch.empty(world, *lse.shape, dtype=lse.dtype, device=dev)
+        m32 = torch.empty(h // world, b, 1, DV, dtype=torch.float32, device=dev)
+        m16 = m32.to(torch.bfloat16)
+        rows = {
+            "all-gather out (bf16)": (out.numel() * 2, lambda: dist.all_gather_into_tensor(outs, out)),
+            "all-gather lse (fp32)": (lse.numel() * 4, lambda: dist.all_gather_into_tensor(lses, lse)),
+            "reduce-scatter heads (fp32)": (heads32.numel() * 4, lambda: dist.reduce_scatter_tensor(m32, heads32)),
+            "reduce-scatter heads (bf16)": (heads16.numel() * 2, lambda: dist.reduce_scatter_tensor(m16, heads16)),
+            "all-reduce y (fp32)": (y32.numel() * 4, lambda: dist.all_reduce(y32)),
+        }
+        res = {}
+        for name, (nbytes, fn) in rows.items():
+            t = timed(fn, args.iters)
+            v = torch.tensor([t], dtype=torch.float64, device=dev)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            res[name] = (nbytes, v.item())
+        if rank == 0:
+            queue.put(dict(world=world, rows=res, device=torch.cuda.get_device_name(dev)))
+    finally:
+        dist.destroy_process_group()
+
+
+def main_collectives(args, ngpu, ctx):
+    args.worlds = [w for w in args.worlds if w > 1]
+    rows = run_worlds(collectives_worker, args, ngpu, ctx)
+    if not rows:
+        return 1
+    print(f"# mla_decode bench_dcp --collectives | {rows[0]['device']} | bs {args.bs}, h_q {args.h_q}, dv {DV} | "
+          f"the slowest rank's medians, us (MB: the tensor each rank passes in)")
+    for r in rows:
+        for name, (nbytes, t) in r["rows"].items():
+            print(f"N={r['world']} {name:<28} {nbytes / 1e6:>7.2f} MB {t:>8.1f} us")
+    return 0
 
 
 def run_worlds(fn, args, ngpu, ctx):
@@ -224,14 +291,17 @@ def main_layer(args, ngpu, ctx):
         return 1
     print(f"# mla_decode bench_dcp --layer | {rows[0]['device']} | backend {rows[0]['backend']} | bs {args.bs} | "
           f"the slowest rank's medians, us")
-    print(f"{'N':>2} {'prefill':>7} {'DCP step (harness)':>18} {'x N=1':>6} {'DCP step (events)':>17} "
-          f"{'exchange':>8} {'custom_kernel, one GPU':>22}")
+    print("(x 1 GPU: against custom_kernel's own step on one GPU, harness against harness, events against events)")
+    print(f"{'N':>2} {'prefill':>7} {'DCP step (harness)':>18} {'x 1 GPU':>7} {'DCP step (events)':>17} "
+          f"{'x 1 GPU':>7} {'exchange':>8} {'custom_kernel, one GPU (harness / events)':>41}")
     base = {r["prefill"]: r for r in rows if r["world"] == 1}
     for r in sorted(rows, key=lambda r: (r["prefill"], r["world"])):
         ref = base.get(r["prefill"])
-        rel = f"{r['step'] / ref['step']:.2f}" if ref else "-"
-        print(f"{r['world']:>2} {r['prefill']:>7} {r['step']:>18.1f} {rel:>6} {r['events']:>17.1f} "
-              f"{r['exchange']:>8.1f} {r['single']:>22.1f}")
+        rel = f"{r['step'] / ref['single']:.2f}" if ref else "-"
+        rel_ev = f"{r['events'] / ref['single_ev']:.2f}" if ref else "-"
+        one = f"{r['single']:.1f} / {r['single_ev']:.1f}" if r["world"] == 1 else ""
+        print(f"{r['world']:>2} {r['prefill']:>7} {r['step']:>18.1f} {rel:>7} {r['events']:>17.1f} {rel_ev:>7} "
+              f"{r['exchange']:>8.1f} {one:>41}")
     return 0
 
 
@@ -244,6 +314,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--layer", action="store_true", help="the DCP decode step of the layer instead of serving")
     ap.add_argument("--prefills", type=int, nargs="+", default=[6144], help="with --layer")
+    ap.add_argument("--collectives", action="store_true", help="each collective of the DCP paths alone")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_dcp: needs GPUs (none visible)")
@@ -252,6 +323,8 @@ def main():
     ctx = mp.get_context("spawn")
     if args.layer:
         return main_layer(args, ngpu, ctx)
+    if args.collectives:
+        return main_collectives(args, ngpu, ctx)
     rows = run_worlds(worker, args, ngpu, ctx)
     if not rows:
         return 1

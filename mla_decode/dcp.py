@@ -292,12 +292,12 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
     as a head-sharded output projection wants them (vLLM's DCP
     reduce-scatters so): the ranks' LSEs are all-gathered (b x h_q x s_q
     fp32 each), every rank scales its partial by its weight exp(lse_r - lse)
-    in fp32, and one reduce-scatter over the heads sums them (fp32, so the
-    sum is not rounded to q's dtype on the way; NCCL's reduce_scatter on
-    GPUs, an all-reduce and a slice on gloo). A rank then receives (N - 1) /
-    N of its share's fp32 partial sums instead of N - 1 whole partials in
-    q's dtype: at N = 4, half the bytes of the all-gather; yet on four H100s
-    it measured slower than the all-gather (docs/multi_gpu.md).
+    in fp32 (one pass, into head-major order), and one reduce-scatter over
+    the heads sums them (fp32, so the sum is not rounded to q's dtype on the
+    way; NCCL's reduce_scatter on GPUs, an all-reduce and a slice on gloo).
+    A rank then receives (N - 1) / N of its share's fp32 partial sums
+    instead of N - 1 whole partials in q's dtype: at N = 4, half the bytes
+    of the all-gather (docs/multi_gpu.md has the measurements).
 
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32),
     equal on every rank (with scatter_heads: out [b, s_q, h_q / N, dv], lse
@@ -373,36 +373,69 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
     if world == 1:
         return out.to(q.dtype), lse
     if scatter_heads:
-        return _merge_scatter_heads(out, lse, world, dist.get_rank(group), group, q.dtype)
+        return _merge_scatter_heads(out, lse, world, dist.get_rank(group), group, q.dtype,
+                                    finite=which == "kernels")
     outs, lses = _all_gather_pair(out, lse, world, group)
     merged, mlse = merge_attention_states(outs, lses)
     return merged.to(q.dtype), mlse
 
 
-def _merge_scatter_heads(out, lse, world, rank, group, dtype):
+def _merge_scatter_heads(out, lse, world, rank, group, dtype, finite=False):
     """The merge of the ranks' (out [b, s_q, h_q, dv], lse [b, h_q, s_q]) by
     their LSE, rank `rank` receiving heads [rank hs, (rank + 1) hs), hs =
     h_q / world: all-gathered LSEs, each partial scaled by its weight in
-    fp32, one reduce-scatter (sum) over the heads."""
+    fp32 into head-major order in one pass, one fp32 reduce-scatter (sum)
+    over the heads. finite: `out` is known finite (the kernels' partials:
+    an empty part's out is 0), so no guard against a -inf partial's out."""
     b, s_q, h_q, dv = out.shape
     hs = h_q // world
+    lses = _all_gather_lse(lse, world, group)
+    heads, mlse = _scaled_heads(out, lses, rank, torch.float32, finite)
+    mine = _reduce_scatter_heads(heads, world, rank, group)
+    res = torch.empty((b, s_q, hs, dv), dtype=dtype, device=out.device)
+    res.copy_(mine.permute(1, 2, 0, 3))
+    return res, mlse[:, rank * hs:(rank + 1) * hs].contiguous()
+
+
+def _all_gather_lse(lse, world, group):
+    """The ranks' lse [b, h_q, s_q] fp32 as one tensor [world, b, h_q, s_q]."""
     lses = torch.empty((world, *lse.shape), dtype=lse.dtype, device=lse.device)
     if lse.is_cuda:
-        dist.all_gather_into_tensor(lses, lse, group=group)
+        dist.all_gather_into_tensor(lses, lse.contiguous(), group=group)
     else:
-        dist.all_gather(list(lses.unbind(0)), lse, group=group)
+        dist.all_gather(list(lses.unbind(0)), lse.contiguous(), group=group)
+    return lses
+
+
+def _scaled_heads(out, lses, rank, dtype, finite):
+    """Rank `rank`'s partial out [b, s_q, h_q, dv] scaled by its merge weight
+    exp(lse_rank - lse) (fp32), written head-major [h_q, b, s_q, dv] in
+    `dtype` by one elementwise pass; and the merged lse [b, h_q, s_q]. A
+    partial with lse -inf weighs 0 (with finite=False its out is not read
+    into the result even if it holds NaN)."""
+    b, s_q, h_q, dv = out.shape
     w, mlse = _merge_weights(lses, torch.float32)
-    w = w[rank].transpose(1, 2).unsqueeze(-1)                         # [b, s_q, h_q, 1]
-    scaled = torch.where(w > 0, out.float() * w, torch.zeros((), device=out.device))  # (a -inf partial: 0)
-    heads = scaled.permute(2, 0, 1, 3).contiguous()                   # [h_q, b, s_q, dv]: a rank's heads contiguous
+    w = w[rank].permute(1, 0, 2).unsqueeze(-1)                        # [h_q, b, s_q, 1]
+    src = out.permute(2, 0, 1, 3)                                     # [h_q, b, s_q, dv], a view
+    heads = torch.empty((h_q, b, s_q, dv), dtype=dtype, device=out.device)
+    if finite:
+        torch.mul(src, w, out=heads)
+    else:
+        heads.copy_(torch.where(w > 0, src.float() * w, torch.zeros((), device=out.device)))
+    return heads, mlse
+
+
+def _reduce_scatter_heads(heads, world, rank, group):
+    """Sum over the ranks of heads [h_q, ...], rank `rank` receiving its
+    h_q / world heads: NCCL's reduce-scatter on GPUs, an all-reduce and a
+    slice on gloo (which has no reduce-scatter)."""
+    hs = heads.shape[0] // world
     if heads.is_cuda:
-        mine = torch.empty((hs, b, s_q, dv), dtype=torch.float32, device=heads.device)
+        mine = torch.empty((hs, *heads.shape[1:]), dtype=heads.dtype, device=heads.device)
         dist.reduce_scatter_tensor(mine, heads, group=group)
-    else:  # (gloo has no reduce-scatter)
-        dist.all_reduce(heads, group=group)
-        mine = heads[rank * hs:(rank + 1) * hs]
-    return (mine.permute(1, 2, 0, 3).to(dtype).contiguous(),
-            mlse[:, rank * hs:(rank + 1) * hs].contiguous())
+        return mine
+    dist.all_reduce(heads, group=group)
+    return heads[rank * hs:(rank + 1) * hs]
 
 
 def _all_gather_pair(out, lse, world, group):

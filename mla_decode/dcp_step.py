@@ -12,9 +12,14 @@ j N + r. A step, on every rank with the same x:
 3. the rank's attention over its rows, with the keys' RoPE applied on the
    fly at their GLOBAL positions (a RoPE table of rows r, r + N, ...) and
    q_pe rotated at the new token's global position;
-4. the ranks' (out, lse) all-gathered and merged by LSE
-   (mla_decode.dcp: one all-gather each for out and lse, the merge kernel);
-5. W_UV and wo, as on one GPU: every rank returns the full y.
+4. the ranks' partials merged by LSE with the heads scattered: the LSEs
+   all-gathered (b x H fp32), each rank's partial scaled by its merge
+   weight, and one fp32 reduce-scatter summing them into rank r's H / N
+   heads [r H / N, (r + 1) H / N);
+5. W_UV and wo on the rank's heads (wo's columns of them), and one fp32
+   all-reduce of the ranks' partial y: every rank returns the full y.
+   (Where N does not divide H: the partials all-gathered and merged on
+   every rank, then W_UV and wo as on one GPU.)
 
     import torch.distributed as dist
     from mla_decode.dcp_step import DCPDecoder, dcp_shard_task_cache
@@ -25,13 +30,14 @@ j N + r. A step, on every rank with the same x:
     dec = DCPDecoder()
     y, data = dec(config, x, kv_local)       # kv_local.seq_len is the GLOBAL length; advanced by one
 
-The cache per rank is 1/N of the rows; the weights and the projections'
-work are not divided (each rank streams all 374 MB at the task's shape).
+The cache per rank is 1/N of the rows, and so are W_UV and wo's reads;
+the down and query projections are not divided (each rank streams their
+123 MB at the task's shape, and wo's 235 MB / N).
 Verified on the CPU (gloo, 2 and 3 processes, the PyTorch backend; and the
 kernels branch in 2 and 4 processes with the attention op replaced by its
-PyTorch oracle) against the float64 step on the whole cache; the kernels
-backend's test on 2 and 4 GPUs (tests/test_dcp_step.py) has not run yet,
-and nothing here is measured. See docs/multi_gpu.md.
+PyTorch oracle) against the float64 step on the whole cache; with the
+kernels on 2 and 4 GPUs within the task's rule of the reference
+(tests/test_dcp_step.py). Measurements: docs/multi_gpu.md.
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ import torch.distributed as dist
 from . import projections
 from ._ext import kernels_usable
 from .attention import mla_attention
-from .dcp import _all_gather_pair, merge_attention_states
-from .decoder import rope_tables
+from .dcp import _all_gather_lse, _all_gather_pair, _reduce_scatter_heads, _scaled_heads, merge_attention_states
+from .decoder import MLADecoder, rope_tables
 from .reference import rope_rotate
 from .validate import MLAInputError, cache_parts, validate
 
@@ -97,7 +103,9 @@ class DCPDecoder:
     "torch" (PyTorch with the task reference's rounding, for the CPU), or
     "auto" (kernels where they run on x's device and the sizes are theirs).
     Inputs are checked as custom_kernel checks them (MLAInputError or
-    TypeError, nothing written); a full local cache raises."""
+    TypeError, nothing written); a full local cache raises. A group of one
+    runs custom_kernel's own step (an MLADecoder with this backend, its
+    graph replays included)."""
 
     def __init__(self, group=None, backend: str = "auto"):
         if backend not in ("auto", "kernels", "torch"):
@@ -107,6 +115,7 @@ class DCPDecoder:
         self.last_backend = None
         self._tables = {}
         self._lock = threading.Lock()
+        self._single = None  # a group of one: custom_kernel's own decoder
 
     def _rank_table(self, device, rope, world, rank, cap):
         """The RoPE rows of this rank's tokens: row j = global position j N + rank."""
@@ -133,6 +142,12 @@ class DCPDecoder:
         if pos // world >= cap:
             raise MLAInputError(f"kv_cache is full: global seq_len {pos} needs local row {pos // world} on rank "
                                 f"{pos % world}, local capacity {cap} (world {world}); nothing was written")
+        if world == 1:  # the one-GPU step itself (its replays included)
+            if self._single is None:
+                self._single = MLADecoder(backend=self.backend)
+            y, _ = self._single(config, x, kv_local)
+            self.last_backend = self._single.last_backend
+            return y, data
         kernel_sizes = dims.kv_lora == 512 and dims.rope == 64
         if self.backend == "auto":
             which = "kernels" if kernels_usable(x.device) and kernel_sizes else "torch"
@@ -175,9 +190,28 @@ class DCPDecoder:
         else:
             mine = slice(rank, world * local_len, world)  # the global positions of this rank's rows
             out, lse = _attention_torch(q[:, 0], data[:, :local_len], cos2[mine], sin2[mine], r, scale)
-        # 4. the ranks' partials merged by LSE
+        lse = lse.to(torch.float32).contiguous()
+        if world > 1 and H % world == 0:
+            # 4-5. heads scattered: the partials scaled by their merge weights and summed over the
+            # ranks into this rank's H / N heads (one fp32 reduce-scatter; bf16 partial sums took y
+            # past 1.5x the bf16 reference's own error in tests/test_dcp_step.py), W_UV and wo on
+            # those heads (wo's columns of them), the ranks' partial y summed (one fp32 all-reduce)
+            hs = H // world
+            lses = _all_gather_lse(lse, world, self.group)
+            heads, _ = _scaled_heads(out, lses, rank, torch.float32, finite=which == "kernels")  # [H, bs, 1, r]
+            mine = _reduce_scatter_heads(heads, world, rank, self.group)                    # [hs, bs, 1, r]
+            o_lat = mine[:, :, 0].to(torch.bfloat16).transpose(0, 1)                        # [bs, hs, r]
+            h0 = rank * hs
+            obuf = torch.empty(bs, hs, v, dtype=torch.bfloat16, device=dev)
+            y_r = torch.empty(bs, dims.dim, dtype=torch.bfloat16, device=dev)
+            projections.output(o_lat, wkv[h0:h0 + hs, nope:, :].transpose(1, 2),
+                               config.wo_weight[:, h0 * v:(h0 + hs) * v], obuf, y_r)
+            y32 = y_r.float()
+            dist.all_reduce(y32, group=self.group)
+            return y32.to(torch.bfloat16).view(bs, 1, dims.dim)
+        # 4. the ranks' partials merged by LSE (all gathered: N does not divide the heads)
         if world > 1:
-            outs, lses = _all_gather_pair(out.contiguous(), lse.to(torch.float32).contiguous(), world, self.group)
+            outs, lses = _all_gather_pair(out.contiguous(), lse, world, self.group)
             out, _ = merge_attention_states(outs, lses)
         # 5. W_UV, then wo, as on one GPU
         obuf = torch.empty(bs, H, v, dtype=torch.bfloat16, device=dev)
