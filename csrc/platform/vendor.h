@@ -77,9 +77,16 @@ inline const char* graph_launch(graph_exec_t exec, stream_t stream) {
   return error_or_null(MLA_RT(GraphLaunch)(exec, stream));
 }
 // Moves a new graph's launch resources to the device ahead of its first
-// launch, ordered on `stream` (hipGraphUpload: ROCm 5.3 and later).
+// launch, ordered on `stream`. HIP headers without hipGraphUpload (before
+// HIP 5.3): nothing here, the first launch uploads.
 inline const char* graph_upload(graph_exec_t exec, stream_t stream) {
+#if MLA_AMD && (!defined(HIP_VERSION) || HIP_VERSION < 50300000)
+  (void)exec;
+  (void)stream;
+  return nullptr;
+#else
   return error_or_null(MLA_RT(GraphUpload)(exec, stream));
+#endif
 }
 
 // Wait for everything enqueued on the current device. Error string or nullptr.
