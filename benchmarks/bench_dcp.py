@@ -38,10 +38,8 @@ With --layer: the DCP decode step of custom_kernel's layer
 --prefills (default 6144), for each N: the step timed as the task harness
 times it (synchronize, wall clock, call, synchronize; the ranks aligned by
 a barrier outside the timing; repeated calls at one position), one step by
-device events, and the exchange alone (the LSEs' all-gather, the scaling,
-the fp32 reduce-scatter over the heads and the fp32 all-reduce of y; where
-N does not divide the heads, the all-gather of (out, lse) and the merge);
-beside it, on rank 0, custom_kernel's own step on the whole cache
+device events, and the exchange alone (all-gather of (out, lse) and the
+merge); beside it, on rank 0, custom_kernel's own step on the whole cache
 (its replayed graph) and DCPDecoder with N = 1.
 
 With --collectives: each collective of the two merge paths alone at the
@@ -167,8 +165,7 @@ def worker(rank, world, port, args, queue):
 
 def layer_worker(rank, world, port, args, queue):
     import mla_decode
-    from mla_decode.dcp import (_all_gather_lse, _all_gather_pair, _reduce_scatter_heads, _scaled_heads,
-                                merge_attention_states)
+    from mla_decode.dcp import _all_gather_pair, merge_attention_states
     from mla_decode.dcp_step import DCPDecoder, dcp_shard_task_cache
     from mla_decode.reference import generate_input
 
@@ -198,18 +195,8 @@ def layer_worker(rank, world, port, args, queue):
             H = config.n_heads
             out = torch.zeros(args.bs, 1, H, config.kv_lora_rank, dtype=torch.bfloat16, device=dev)
             lse = torch.zeros(args.bs, H, 1, dtype=torch.float32, device=dev)
-            y32 = torch.zeros(args.bs, config.dim, dtype=torch.float32, device=dev)
-
-            def exchange():  # the step's collectives and the scaling between them (dcp_step, H % N == 0)
-                heads, _ = _scaled_heads(out, _all_gather_lse(lse, world, None), rank, torch.float32, True)
-                _reduce_scatter_heads(heads, world, rank, None)
-                dist.all_reduce(y32)
-            if world > 1 and H % world == 0:
-                ex = timed(exchange, args.iters)
-            elif world > 1:
-                ex = timed(lambda: merge_attention_states(*_all_gather_pair(out, lse, world, None)), args.iters)
-            else:
-                ex = 0.0
+            ex = timed(lambda: merge_attention_states(*_all_gather_pair(out, lse, world, None)), args.iters) \
+                if world > 1 else 0.0
             vals = torch.tensor([t, ev, ex], dtype=torch.float64, device=dev)
             dist.all_reduce(vals, op=dist.ReduceOp.MAX)
             if rank == 0:

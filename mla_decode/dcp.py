@@ -104,15 +104,12 @@ def merge_attention_states(outs, lses):
 def _merge_weights(lses, acc):
     """The merge's weights exp(lse_r - lse) [N, b, h_q, s_q] (0 for a partial
     with lse -inf) and lse = logsumexp_r lse_r [b, h_q, s_q] (-inf where every
-    partial is), in dtype ``acc``."""
+    partial is), in dtype ``acc``. Three elementwise passes and a reduction:
+    on a GPU these tiny tensors cost the host's launches, not the device."""
     lse_r = lses.to(acc)
-    m = lse_r.amax(dim=0)                                            # [b, h_q, s_q]
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # all -inf: any finite shift
-    w = torch.exp(lse_r - m)                                         # 0 for a -inf partial
-    total = w.sum(dim=0)
-    lse = torch.where(total > 0, m + torch.log(torch.where(total > 0, total, torch.ones_like(total))),
-                      torch.full_like(total, float("-inf")))
-    return w / torch.where(total > 0, total, torch.ones_like(total)), lse
+    lse = torch.logsumexp(lse_r, dim=0)                              # -inf where every partial is
+    # exp(-inf - lse) = 0 for a -inf partial; where every partial is -inf, exp(nan) -> 0
+    return torch.exp(lse_r - lse).nan_to_num_(nan=0.0), lse
 
 
 def _stack(x, name):

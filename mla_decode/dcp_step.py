@@ -12,14 +12,16 @@ j N + r. A step, on every rank with the same x:
 3. the rank's attention over its rows, with the keys' RoPE applied on the
    fly at their GLOBAL positions (a RoPE table of rows r, r + N, ...) and
    q_pe rotated at the new token's global position;
-4. the ranks' partials merged by LSE with the heads scattered: the LSEs
-   all-gathered (b x H fp32), each rank's partial scaled by its merge
-   weight, and one fp32 reduce-scatter summing them into rank r's H / N
-   heads [r H / N, (r + 1) H / N);
-5. W_UV and wo on the rank's heads (wo's columns of them), and one fp32
-   all-reduce of the ranks' partial y: every rank returns the full y.
-   (Where N does not divide H: the partials all-gathered and merged on
-   every rank, then W_UV and wo as on one GPU.)
+4. the ranks' (out, lse) all-gathered and merged by LSE
+   (mla_decode.dcp: one all-gather each for out and lse, the merge kernel);
+5. W_UV and wo, as on one GPU: every rank returns the full y.
+
+(Scattering the heads instead, as vLLM does: the LSEs all-gathered, each
+partial scaled by its merge weight, one fp32 reduce-scatter into rank r's
+H / N heads, W_UV and wo on those heads, one fp32 all-reduce of y. Four
+H100s measured it slower: 1839 / 1722 us per step at N = 2 / 4 against 845
+/ 870 with the all-gather, the host's small PyTorch ops around the three
+collectives being the cost; docs/multi_gpu.md.)
 
     import torch.distributed as dist
     from mla_decode.dcp_step import DCPDecoder, dcp_shard_task_cache
@@ -30,9 +32,8 @@ j N + r. A step, on every rank with the same x:
     dec = DCPDecoder()
     y, data = dec(config, x, kv_local)       # kv_local.seq_len is the GLOBAL length; advanced by one
 
-The cache per rank is 1/N of the rows, and so are W_UV and wo's reads;
-the down and query projections are not divided (each rank streams their
-123 MB at the task's shape, and wo's 235 MB / N).
+The cache per rank is 1/N of the rows; the weights and the projections'
+work are not divided (each rank streams all 374 MB at the task's shape).
 Verified on the CPU (gloo, 2 and 3 processes, the PyTorch backend; and the
 kernels branch in 2 and 4 processes with the attention op replaced by its
 PyTorch oracle) against the float64 step on the whole cache; with the
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from . import projections
 from ._ext import kernels_usable
 from .attention import mla_attention
-from .dcp import _all_gather_lse, _all_gather_pair, _reduce_scatter_heads, _scaled_heads, merge_attention_states
+from .dcp import _all_gather_pair, merge_attention_states
 from .decoder import MLADecoder, rope_tables
 from .reference import rope_rotate
 from .validate import MLAInputError, cache_parts, validate
@@ -191,25 +192,7 @@ class DCPDecoder:
             mine = slice(rank, world * local_len, world)  # the global positions of this rank's rows
             out, lse = _attention_torch(q[:, 0], data[:, :local_len], cos2[mine], sin2[mine], r, scale)
         lse = lse.to(torch.float32).contiguous()
-        if world > 1 and H % world == 0:
-            # 4-5. heads scattered: the partials scaled by their merge weights and summed over the
-            # ranks into this rank's H / N heads (one fp32 reduce-scatter; bf16 partial sums took y
-            # past 1.5x the bf16 reference's own error in tests/test_dcp_step.py), W_UV and wo on
-            # those heads (wo's columns of them), the ranks' partial y summed (one fp32 all-reduce)
-            hs = H // world
-            lses = _all_gather_lse(lse, world, self.group)
-            heads, _ = _scaled_heads(out, lses, rank, torch.float32, finite=which == "kernels")  # [H, bs, 1, r]
-            mine = _reduce_scatter_heads(heads, world, rank, self.group)                    # [hs, bs, 1, r]
-            o_lat = mine[:, :, 0].to(torch.bfloat16).transpose(0, 1)                        # [bs, hs, r]
-            h0 = rank * hs
-            obuf = torch.empty(bs, hs, v, dtype=torch.bfloat16, device=dev)
-            y_r = torch.empty(bs, dims.dim, dtype=torch.bfloat16, device=dev)
-            projections.output(o_lat, wkv[h0:h0 + hs, nope:, :].transpose(1, 2),
-                               config.wo_weight[:, h0 * v:(h0 + hs) * v], obuf, y_r)
-            y32 = y_r.float()
-            dist.all_reduce(y32, group=self.group)
-            return y32.to(torch.bfloat16).view(bs, 1, dims.dim)
-        # 4. the ranks' partials merged by LSE (all gathered: N does not divide the heads)
+        # 4. the ranks' partials merged by LSE (all gathered; see the module's text for the heads scattered)
         if world > 1:
             outs, lses = _all_gather_pair(out.contiguous(), lse, world, self.group)
             out, _ = merge_attention_states(outs, lses)
