@@ -26,6 +26,18 @@ def _inputs(bs=8, prefill=100, seed=0, device="cuda", **kw):
     return generate_input(batch_size=bs, prefill=prefill, seed=seed, device=device, **kw)
 
 
+def _checked_step(dec, config, x, kv, what):
+    """One step of `dec`, y and the cache checked against the reference
+    under the task rule; returns (y, the launch that ran)."""
+    ref = kv.clone()
+    y, data = dec(config, x, kv)
+    launch = dec.last_paths["launch"]
+    y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
+    assert_task_rule(y, y_ref, f"y at {what}")
+    assert_task_rule(data, data_ref, f"cache at {what}")
+    return y, launch
+
+
 def _check_against_reference(config, x, kv, run):
     ref = kv.clone()
     y, data = run(config, x, kv)
@@ -341,12 +353,8 @@ def test_repeated_steps_replay_and_read_everything_anew():
     # the replays take the call's length, not the one after the last replay's
     for step, seq_len in enumerate([103, 103, 104, 101, 102], start=6):
         kv.seq_len = seq_len
-        ref = kv.clone()
-        y, data = dec(config, x, kv)
-        launches.append(dec.last_paths["launch"])
-        y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
-        assert_task_rule(y, y_ref, f"y at step {step}, seq_len {seq_len}")
-        assert_task_rule(data, data_ref, f"cache at step {step}, seq_len {seq_len}")
+        y, launch = _checked_step(dec, config, x, kv, f"step {step}, seq_len {seq_len}")
+        launches.append(launch)
         assert kv.seq_len == seq_len + 1
         kept.append((y, y.clone()))
     for i, (y, y0) in enumerate(kept):
@@ -412,12 +420,7 @@ def test_steps_taking_turns_are_captured_only_when_they_come_back_soon():
         caches = [kv.clone() for _ in range(turns)]
         launches = []
         for i in range(len(want)):
-            c = caches[i % turns]
-            ref = c.clone()
-            y, data = dec(config, x, c)
-            launches.append(dec.last_paths["launch"])
-            y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
-            assert_task_rule(y, y_ref, f"y at call {i} of {turns} caches taking turns")
-            assert_task_rule(data, data_ref, f"cache at call {i} of {turns} caches taking turns")
+            _, launch = _checked_step(dec, config, x, caches[i % turns], f"call {i} of {turns} caches taking turns")
+            launches.append(launch)
         assert launches == want, (turns, launches)
     mla_decode.release_cached()
