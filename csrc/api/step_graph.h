@@ -1,13 +1,13 @@
 // The decode step's replay cache: a step whose operands (addresses and
-// layouts) are the same as the previous call's is captured once into a
-// CUDA/HIP graph and replayed from then on. The sequences' length is the
-// graph's one per-call argument: the graph's first node, the planner, reads
-// it from a device slot and advances it by one for the next replay, so a
-// replay at the length after the last one's is one graph launch; any other
-// length is written into the slot by one small launch first. A replay reads
-// the weights, x and the cache where they lie, as an eager call does; it
-// saves the host work of the launches, which the GPU otherwise waits for at
-// the start of every step.
+// layouts) come back soon (within four other new ones on that GPU) is
+// captured once into a CUDA/HIP graph and replayed from then on. The
+// sequences' length is the graph's one per-call argument: the graph's first
+// node, the planner, reads it from a device slot and advances it by one for
+// the next replay, so a replay at the length after the last one's is one
+// graph launch; any other length is written into the slot by one small
+// launch first. A replay reads the weights, x and the cache where they lie,
+// as an eager call does; it saves the host work of the launches, which the
+// GPU otherwise waits for at the start of every step.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,11 +42,11 @@ using StepEnqueue = std::function<StepOut(int32_t* len_slot)>;
 
 // Runs the step on the current stream of the current device: replays the
 // graph captured for `key` at length `len`, y copied out into a new tensor
-// (ran | kStepGraph); otherwise runs `enqueue` eagerly, and when the previous
-// call on this device had the same key (or this is the device's first
-// step), captures the step after those launches (while the GPU runs them)
-// for the next call to replay. Always
-// eager while the stream is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
+// (ran | kStepGraph); otherwise runs `enqueue` eagerly, and when `key` is
+// among the last kRecent keys seen once on this device (or this is the
+// device's first step), captures the step after those launches (while the
+// GPU runs them) for the next call to replay. Always eager while the stream
+// is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
 StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue);
 
 // Drops every captured step (after their last replays have finished).
