@@ -442,10 +442,8 @@ def _all_gather_pair(out, lse, world, group):
     buffer (gloo gathers into a list)."""
     if out.is_cuda:
         outs = torch.empty((world, *out.shape), dtype=out.dtype, device=out.device)
-        lses = torch.empty((world, *lse.shape), dtype=lse.dtype, device=lse.device)
         dist.all_gather_into_tensor(outs, out, group=group)
-        dist.all_gather_into_tensor(lses, lse, group=group)
-        return outs, lses
+        return outs, _all_gather_lse(lse, world, group)
     ob = out.view(-1).view(torch.uint8)
     lb = lse.view(-1).view(torch.uint8)
     buf = torch.cat([ob, lb])
