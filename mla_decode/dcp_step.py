@@ -167,7 +167,7 @@ class DCPDecoder:
         bs, H, r, nope, rope, v = dims.bs, dims.heads, dims.kv_lora, dims.nope, dims.rope, dims.v
         dev = x.device
         cap = data.shape[1]
-        table, cos2, sin2 = rope_tables(dev, rope, world * cap)
+        _, cos2, sin2 = rope_tables(dev, rope, world * cap)
         wkv = config.KV_proj_up_weight.view(H, nope + v, r)
         # 1. projections, as on one GPU
         q_lora, kv_new = projections.down(x.view(bs, dims.dim), config.Q_proj_down_weight,
@@ -192,10 +192,10 @@ class DCPDecoder:
             mine = slice(rank, world * local_len, world)  # the global positions of this rank's rows
             out, lse = _attention_torch(q[:, 0], data[:, :local_len], cos2[mine], sin2[mine], r, scale)
         lse = lse.to(torch.float32).contiguous()
-        # 4. the ranks' partials merged by LSE (all gathered; see the module's text for the heads scattered)
-        if world > 1:
-            outs, lses = _all_gather_pair(out.contiguous(), lse, world, self.group)
-            out, _ = merge_attention_states(outs, lses)
+        # 4. the ranks' partials merged by LSE (all gathered; see the module's text for the heads scattered;
+        # a group of one never gets here)
+        outs, lses = _all_gather_pair(out.contiguous(), lse, world, self.group)
+        out, _ = merge_attention_states(outs, lses)
         # 5. W_UV, then wo, as on one GPU
         obuf = torch.empty(bs, H, v, dtype=torch.bfloat16, device=dev)
         y = torch.empty(bs, dims.dim, dtype=torch.bfloat16, device=dev)
