@@ -21,6 +21,13 @@ launches. The state kept is bounded: at most four captured steps per
 process, the RoPE table per device (128 bytes per position) and the
 attention's map tables (bounded_maps.cpp, four per process);
 ``release_cached()`` drops them all.
+
+A call that matches a captured step takes the lean replay first
+(mla_decode._C.fast_step, csrc/api/step_fast.cpp): one C function reads the
+operands' attributes, matches the step and replays it, with no Python frame
+or argument conversion of ours before the launch (the task's harness times
+each call from an idle GPU, often with the host's caches cold, so this code
+is the call's time); anything else takes the checked path.
 """
 
 from __future__ import annotations
@@ -89,12 +96,28 @@ class MLADecoder:
             raise ValueError(f"backend must be 'auto', 'kernels' or 'torch', got {backend!r}")
         self.backend = backend
         self.last_backend = None
-        self.last_paths = None
+        self._ran = None  # the last kernel step's paths (bits), None after a PyTorch one
         self._plans = {}  # (device, config sizes, bs) -> (backend, the step's wished paths)
         self._warned = set()
 
+    @property
+    def last_paths(self):
+        """The last call's paths by stage (down, query, wo, launch), or None
+        after a call on the PyTorch fallback."""
+        return None if self._ran is None else kernel_choice.describe_step_paths(self._ran)
+
     def __call__(self, config, x, kv_cache):
+        if _fast_step is not None and self.backend != "torch":
+            r = _fast_step((config, x, kv_cache))
+            if r is not None:  # a replay of this step's captured graph
+                self.last_backend, self._ran = "kernels", r[2]
+                return r[0], r[1]
+        return self._call(config, x, kv_cache)
+
+    def _call(self, config, x, kv_cache):
         data, pos = cache_parts(kv_cache)
+        if type(pos) is not int:  # (a bool or a float would pass as a position below: validate says what is wrong)
+            validate(config, x, kv_cache)
         try:
             sizes = config_dims(config)
             plan = self._plans.get((x.device, sizes, x.shape[0]))
@@ -112,19 +135,24 @@ class MLADecoder:
             except (ValueError, TypeError) as e:  # refused before anything was written
                 validate(config, x, kv_cache)  # raises in the documented words where the inputs are at fault
                 raise MLAInputError(str(e).split("\n")[0]) from None
-            self.last_paths = kernel_choice.describe_step_paths(ran)
+            self._ran = ran
         else:
             dims = validate(config, x, kv_cache)
             with torch.no_grad():
                 y = _step_torch(config, dims, x, data, pos)
-            self.last_paths = None
+            self._ran = None
         kv_cache.seq_len = pos + 1
         self.last_backend = which
         return y, data
 
     def step(self, data):
+        if _fast_step is not None and self.backend != "torch":
+            r = _fast_step(data)
+            if r is not None:
+                self.last_backend, self._ran = "kernels", r[2]
+                return r[0], r[1]
         config, x, kv_cache = data
-        return self(config, x, kv_cache)
+        return self._call(config, x, kv_cache)
 
     def _plan(self, config, x, kv_cache):
         """The backend and wished paths for these sizes on x's device (cached)."""
@@ -184,6 +212,9 @@ def _attention_torch(q_abs, q_pe, rows, cos, sin, dims: Dims, scale):
     return torch.bmm(p, c)
 
 
+# The lean replay (csrc/api/step_fast.cpp): (y, data, paths) when the call's
+# operands match a captured step, else None with nothing done.
+_fast_step = _ext.module().fast_step if _ext.kernels_built() else None
 _DEFAULT = MLADecoder()
 
 
@@ -191,4 +222,9 @@ def custom_kernel(data):
     """The task's entry point: ``data = (config, x, kv_cache)``. Appends the
     new row to ``kv_cache.data`` in place, advances ``kv_cache.seq_len``,
     returns ``(y, kv_cache.data)``."""
+    if _fast_step is not None:  # (inlined MLADecoder.step: one Python frame less on the timed path)
+        r = _fast_step(data)
+        if r is not None:
+            _DEFAULT.last_backend, _DEFAULT._ran = "kernels", r[2]
+            return r[0], r[1]
     return _DEFAULT.step(data)

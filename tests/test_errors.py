@@ -170,3 +170,19 @@ def test_attention_shape_accepted(dv, rope):
     from mla_decode.attention import check_attention_shape
 
     assert check_attention_shape(dv + rope, dv) == rope
+
+
+@pytest.mark.skipif(not mla_decode._ext.kernels_built(), reason="the extension is not built")
+def test_lean_replay_declines_what_it_does_not_match():
+    """mla_decode._C.fast_step (custom_kernel's lean replay) returns None, with
+    nothing written, for anything but a call matching a captured GPU step:
+    here CPU tensors and objects that are not the task's."""
+    from mla_decode.reference import generate_input
+    fast = mla_decode._ext.module().fast_step
+    config, x, kv = generate_input(batch_size=2, prefill=3, dim=64, q_lora_rank=32, n_heads=2, max_seq_len=8)
+    before = kv.data.clone()
+    for data in [(config, x, kv), (config, x), None, (1, 2, 3), (config, x, object()), [config, x, kv]]:
+        assert fast(data) is None
+    assert kv.seq_len == 3 and torch.equal(kv.data, before)
+    y, _ = mla_decode.custom_kernel((config, x, kv))  # (the checked path: the CPU fallback)
+    assert kv.seq_len == 4 and y.shape == (2, 1, 64)

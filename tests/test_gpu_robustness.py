@@ -7,6 +7,7 @@ import dataclasses
 import os
 import random
 import threading
+import types
 
 import pytest
 import torch
@@ -349,9 +350,10 @@ def test_repeated_steps_replay_and_read_everything_anew():
         assert_task_rule(y, y_ref, f"y at step {step}")
         assert_task_rule(data, data_ref, f"cache at step {step}")
         kept.append((y, y.clone()))
-    # the length moved back (a cache rewound, as a benchmark loop does) and then forward again:
-    # the replays take the call's length, not the one after the last replay's
-    for step, seq_len in enumerate([103, 103, 104, 101, 102], start=6):
+    # the length moved back (a cache rewound, as a benchmark loop does), repeated (as fresh caches of
+    # one length would be), then forward again: the replays take the call's length, not the one the
+    # last replay's pattern would give
+    for step, seq_len in enumerate([103, 103, 103, 104, 105, 101, 101, 102], start=6):
         kv.seq_len = seq_len
         y, launch = _checked_step(dec, config, x, kv, f"step {step}, seq_len {seq_len}")
         launches.append(launch)
@@ -361,7 +363,7 @@ def test_repeated_steps_replay_and_read_everything_anew():
         assert torch.equal(y, y0), f"the y of step {i} changed after later steps"
     if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
         # seen once: eager; seen again: eager, then captured; from the third call on: replays
-        assert launches == ["eager"] * 2 + ["graph replay"] * 9, launches
+        assert launches == ["eager"] * 2 + ["graph replay"] * 12, launches
     mla_decode.release_cached()
     ref = kv.clone()
     y, data = dec(config, x, kv)
@@ -423,4 +425,42 @@ def test_steps_taking_turns_are_captured_only_when_they_come_back_soon():
             _, launch = _checked_step(dec, config, x, caches[i % turns], f"call {i} of {turns} caches taking turns")
             launches.append(launch)
         assert launches == want, (turns, launches)
+    mla_decode.release_cached()
+
+
+def test_lean_replay_matches_only_a_captured_step():
+    """custom_kernel's lean replay (mla_decode._C.fast_step) replays a
+    captured step whose operands the call repeats, with the call's length,
+    and does nothing (None) for anything else, which the checked path then
+    takes: it raises for a bad length, captures a new step."""
+    if os.environ.get("MLA_DECODE_STEP_GRAPH") == "0":
+        pytest.skip("MLA_DECODE_STEP_GRAPH=0: no captured steps")
+    fast = mla_decode._ext.module().fast_step
+    config, x, kv = _inputs(bs=8, prefill=100, seed=41)
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv.clone())  # (a device's first step is captured at once: not this test's subject)
+    mla_decode.release_cached()
+    assert fast((config, x, kv)) is None and kv.seq_len == 100  # nothing captured yet
+    for step in range(2):  # seen once, then again: captured after the second call
+        _checked_step(dec, config, x, kv, f"step {step}")
+    for seq_len in (102, 102, 90, 91):  # the next length, a rewound one, then on from there
+        kv.seq_len = seq_len
+        ref = kv.clone()
+        r = fast((config, x, kv))
+        assert r is not None and len(r) == 3 and r[1] is kv.data and kv.seq_len == seq_len + 1
+        assert r[2] & mla_decode.kernel_choice.STEP_GRAPH
+        y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
+        assert_task_rule(r[0], y_ref, f"y of the lean replay at seq_len {seq_len}")
+        assert_task_rule(r[1], data_ref, f"cache of the lean replay at seq_len {seq_len}")
+    before = kv.data.clone()
+    for what, seq_len in [("a full cache", kv.data.shape[1]), ("a negative length", -1), ("a bool length", True)]:
+        other = types.SimpleNamespace(data=kv.data, seq_len=seq_len)
+        assert fast((config, x, other)) is None, what
+        with pytest.raises(mla_decode.MLAInputError):
+            dec(config, x, other)
+    other_x = x.clone()  # new operands: no captured step
+    assert fast((config, other_x, kv)) is None
+    assert fast((dataclasses.replace(config, n_heads=config.n_heads + 1), x, kv)) is None
+    assert fast((config, x)) is None and fast(None) is None and fast((config, x.cpu(), kv)) is None
+    assert torch.equal(kv.data, before), "a refused lean replay wrote the cache"
     mla_decode.release_cached()

@@ -6,6 +6,10 @@
 #include "blas_lt.h"
 #include "ops.h"
 
+namespace mla::api {
+void add_fast_step(pybind11::module_& m);  // step_fast.cpp
+}
+
 #ifndef MLA_BUILD_ARCHS
 #define MLA_BUILD_ARCHS "unknown"
 #endif
@@ -40,4 +44,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x w^T on cuBLASLt (bf16, 2-D, unit last strides); False where it cannot (nothing ran)");
   m.def("release_cached", &mla::api::release_cached, "drop the attention's bounded-map tables");
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));
+  mla::api::add_fast_step(m);
 }

@@ -181,10 +181,10 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
   // no autograd on the way (weights may be nn.Parameters): outputs are plain
   // tensors (inference tensors under torch.inference_mode, as any op's)
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  StepKey key;
-  key.device = dev.index();
-  for (const at::Tensor* t : {&x, &w_qd, &w_kvd, &w_qu, &w_kvu, &w_o, &cache, &rope_cs}) key.add(*t);
-  for (int64_t c : cfg) key.add(c);
+  // (the operands and sizes first, then the table and the wished paths: the
+  // lean replay, step_fast.cpp, matches the first part alone)
+  StepKey key = step_key_prefix(x, {&w_qd, &w_kvd, &w_qu, &w_kvu, &w_o}, cache, cfg);
+  key.add(rope_cs);
   key.add(want);
   const StepOut out = run_step(key, static_cast<int32_t>(pos + 1), [&](int32_t* len_slot) -> StepOut {
     return enqueue_step(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, rope_cs, cfg, pos, want, len_slot);

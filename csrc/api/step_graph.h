@@ -2,10 +2,11 @@
 // layouts) come back soon (within four other new ones on that GPU) is
 // captured once into a CUDA/HIP graph and replayed from then on. The
 // sequences' length is the graph's one per-call argument: the graph's first
-// node, the planner, reads it from a device slot and advances it by one for
-// the next replay, so a replay at the length after the last one's is one
-// graph launch; any other length is written into the slot by one small
-// launch first. A replay reads the weights, x and the cache where they lie,
+// node, the planner, reads it from a device slot and advances it by the
+// slot's step for the next replay (1 while a cache grows a row per call, 0
+// while fresh caches come at one length), so a replay at the length that
+// pattern expects is one graph launch; any other length is written into the
+// slot by one small launch first. A replay reads the weights, x and the cache where they lie,
 // as an eager call does; it saves the host work of the launches, which the
 // GPU otherwise waits for at the start of every step.
 #pragma once
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <vector>
 
 namespace mla::api {
@@ -28,6 +30,12 @@ struct StepKey {
   void add(int64_t x) { v.push_back(x); }
   bool operator==(const StepKey& o) const { return device == o.device && v == o.v; }
 };
+
+// A step's key begins with its operands and sizes: the device (x's), x, the
+// five weights, the cache and the layer's seven sizes, in that order; the
+// RoPE table and the wished paths follow (decode_step).
+StepKey step_key_prefix(const at::Tensor& x, std::initializer_list<const at::Tensor*> weights,
+                        const at::Tensor& cache, c10::ArrayRef<int64_t> cfg);
 
 // One step enqueued on the current stream: y and the paths taken. The step
 // starts with the planner's launch that writes its lengths and the
@@ -48,6 +56,14 @@ using StepEnqueue = std::function<StepOut(int32_t* len_slot)>;
 // GPU runs them) for the next call to replay. Always eager while the stream
 // is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
 StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue);
+
+// The lean replay (step_fast.cpp): replays, on the current stream of
+// prefix.device, the captured step whose key starts with `prefix` (the
+// operands and sizes; the RoPE table and the wished paths are the entry's)
+// at length `len`, and sets *out. False, with nothing done, where none
+// matches, while that stream is capturing, or with MLA_DECODE_STEP_GRAPH=0:
+// the caller then takes the checked path (run_step), which captures.
+bool replay_captured(const StepKey& prefix, int32_t len, StepOut* out);
 
 // Drops every captured step (after their last replays have finished).
 void release_step_graphs();

@@ -32,7 +32,7 @@ const char* launch_attention_portable(const AttnParams& p, stream_t stream);
 // (plan.cu), the rope scores of per-head rope keys before it
 // (rope_scores.cu), the combine of split sequences after it (combine.cu).
 const char* launch_plan(const PlanParams& p, stream_t stream);
-const char* launch_set_len(int32_t* slot, int v, stream_t stream);  // (plan.cu; PlanParams::len_slot)
+const char* launch_set_len(int32_t* slot, int v, int step, stream_t stream);  // (plan.cu; PlanParams::len_slot)
 const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 const char* launch_merge(const MergeParams& p, stream_t stream);  // (combine.cu)

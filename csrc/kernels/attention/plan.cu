@@ -38,12 +38,12 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   pdl_trigger();  // the attention kernel may start its prologue; it waits for this plan before reading it
   const int tid = thread_x();
   int fill_len = p.fill_len;
-  if (p.len_slot != nullptr) {  // read by thread 0 alone, which then advances it for the next replay
+  if (p.len_slot != nullptr) {  // read by thread 0 alone, which then advances it by its step for the next replay
     __shared__ int slot_s;
-    if (tid == 0) slot_s = *p.len_slot;
+    if (tid == 0) slot_s = p.len_slot[0];
     sync_threads();
     fill_len = slot_s;
-    if (tid == 0) *p.len_slot = fill_len + 1;
+    if (tid == 0) p.len_slot[0] = fill_len + p.len_slot[1];
   }
   if (p.fill_lens != nullptr)  // (read by the kernels after this one, which the stream orders after it)
     for (int b = tid; b < p.bs; b += p.threads) p.fill_lens[b] = fill_len;
@@ -186,12 +186,15 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
 
 // Sets a captured step's length slot (PlanParams::len_slot) before a replay
 // whose length is not the one its last replay left there.
-__global__ void set_len_kernel(int32_t* slot, int v) { *slot = v; }
+__global__ void set_len_kernel(int32_t* slot, int v, int step) {
+  slot[0] = v;
+  slot[1] = step;
+}
 
 }  // namespace
 
-const char* launch_set_len(int32_t* slot, int v, stream_t stream) {
-  set_len_kernel<<<1, 1, 0, stream>>>(slot, v);
+const char* launch_set_len(int32_t* slot, int v, int step, stream_t stream) {
+  set_len_kernel<<<1, 1, 0, stream>>>(slot, v, step);
   return last_launch_error();
 }
 

@@ -43,8 +43,10 @@ struct PlanParams {
   int no_split;            // 1: one part per sequence (max_parts = bs): a plan for calls without a combine
   int32_t* fill_lens;      // non-null: every length is fill_len, written to fill_lens[0 .. bs) as the plan is
   int fill_len;            // made (seqlens unread): the decode step's lengths and plan in one launch
-  int32_t* len_slot;       // non-null (with fill_lens): fill_len is read from *len_slot, which the planner
-                           // then advances by one (a captured step's length, carried from replay to replay)
+  int32_t* len_slot;       // non-null (with fill_lens): int32 [2], {length, step}: fill_len is read from
+                           // len_slot[0], which the planner then advances by len_slot[1] (a captured
+                           // step's length, carried from replay to replay: step 1 for a cache that grows
+                           // a row per call, 0 for calls that repeat one length on fresh caches)
 };
 
 }  // namespace mla

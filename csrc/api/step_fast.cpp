@@ -1,0 +1,130 @@
+// The lean replay of custom_kernel / MLADecoder: mla_decode._C.fast_step,
+// a plain CPython function (no pybind11 dispatch, no Python frames of
+// ours) that replays the captured step of a call whose operands repeat a
+// captured one. The task's harness times each call from an idle GPU, so
+// the host's work before the graph launch is the call's time; after other
+// work has run (its check of the previous output, the next inputs made) that
+// code is cold in the CPU's caches, where each distinct piece of code or
+// data touched costs microseconds. This path touches the fewest: attribute
+// reads, the key, the replay.
+//
+// A captured step's key (step_graph.h) holds every operand's address, dtype,
+// sizes and strides and the layer's sizes: a call that matches it passed the
+// checks when that step was captured, and only the length is new (checked
+// here). Anything else (no match, a stream capturing, an object that is not
+// the task's, a length out of range) returns None with nothing done, and the
+// caller takes the checked path, which says what is wrong or captures.
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <c10/core/InferenceMode.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "step_graph.h"
+
+namespace mla::api {
+namespace {
+
+constexpr int kWeights = 5, kDims = 7;
+// the names read: KVCache's, then the config's weights and sizes in the key's order
+const char* const kNames[2 + kWeights + kDims] = {
+    "data", "seq_len",
+    "Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight",
+    "dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"};
+PyObject* names[2 + kWeights + kDims];
+
+// A new reference to obj.name, or null (the error cleared) where it is missing.
+PyObject* attr(PyObject* obj, int i) {
+  PyObject* r = PyObject_GetAttr(obj, names[i]);
+  if (r == nullptr) PyErr_Clear();
+  return r;
+}
+
+struct Refs {  // new references held for the call
+  PyObject* p[1 + kWeights] = {};
+  ~Refs() {
+    for (PyObject* o : p) Py_XDECREF(o);
+  }
+};
+
+// fast_step((config, x, kv_cache)) -> (y, kv_cache.data, paths) after a
+// replay (kv_cache.seq_len advanced), or None.
+PyObject* fast_step(PyObject* /*module*/, PyObject* data) {
+  if (!PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 3) Py_RETURN_NONE;
+  PyObject* config = PyTuple_GET_ITEM(data, 0);
+  PyObject* xo = PyTuple_GET_ITEM(data, 1);
+  PyObject* kv = PyTuple_GET_ITEM(data, 2);
+  if (!THPVariable_Check(xo)) Py_RETURN_NONE;
+  const at::Tensor& x = THPVariable_Unpack(xo);
+  if (!x.is_cuda()) Py_RETURN_NONE;
+  Refs refs;
+  PyObject*& cache_o = refs.p[0];
+  cache_o = attr(kv, 0);
+  if (cache_o == nullptr || !THPVariable_Check(cache_o)) Py_RETURN_NONE;
+  const at::Tensor& cache = THPVariable_Unpack(cache_o);
+  PyObject* seq = attr(kv, 1);
+  if (seq == nullptr) Py_RETURN_NONE;
+  int overflow = 0;
+  const long long pos = PyLong_CheckExact(seq) ? PyLong_AsLongLongAndOverflow(seq, &overflow) : -1;
+  Py_DECREF(seq);
+  if (overflow != 0 || pos < 0 || cache.dim() != 3 || pos >= cache.size(1)) Py_RETURN_NONE;
+  const at::Tensor* w[kWeights];
+  for (int i = 0; i < kWeights; ++i) {
+    refs.p[1 + i] = attr(config, 2 + i);
+    if (refs.p[1 + i] == nullptr || !THPVariable_Check(refs.p[1 + i])) Py_RETURN_NONE;
+    w[i] = &THPVariable_Unpack(refs.p[1 + i]);
+  }
+  int64_t cfg[kDims];
+  for (int i = 0; i < kDims; ++i) {
+    PyObject* d = attr(config, 2 + kWeights + i);
+    if (d == nullptr) Py_RETURN_NONE;
+    cfg[i] = PyLong_CheckExact(d) ? PyLong_AsLongLongAndOverflow(d, &overflow) : -1;
+    Py_DECREF(d);
+    if (overflow != 0 || cfg[i] < 0) Py_RETURN_NONE;
+  }
+  StepOut out;
+  try {
+    const StepKey key = step_key_prefix(x, {w[0], w[1], w[2], w[3], w[4]}, cache, c10::ArrayRef<int64_t>(cfg, kDims));
+    c10::cuda::CUDAGuard guard(x.device());
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // (as decode_step: y is a plain tensor)
+    if (!replay_captured(key, static_cast<int32_t>(pos + 1), &out)) Py_RETURN_NONE;
+  } catch (const std::exception& e) {  // a launch that failed: raised, as the checked path would
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  PyObject* next = PyLong_FromLongLong(pos + 1);
+  if (next == nullptr) return nullptr;
+  const int set = PyObject_SetAttr(kv, names[1], next);
+  Py_DECREF(next);
+  if (set != 0) return nullptr;
+  PyObject* y = THPVariable_Wrap(out.y);
+  if (y == nullptr) return nullptr;
+  PyObject* ran = PyLong_FromLongLong(out.ran);
+  if (ran == nullptr) {
+    Py_DECREF(y);
+    return nullptr;
+  }
+  PyObject* r = PyTuple_Pack(3, y, cache_o, ran);
+  Py_DECREF(y);
+  Py_DECREF(ran);
+  return r;
+}
+
+PyMethodDef fast_step_def = {"fast_step", fast_step, METH_O,
+                             "fast_step((config, x, kv_cache)): (y, kv_cache.data, paths) after replaying the "
+                             "captured step these operands match (kv_cache.seq_len advanced), else None with "
+                             "nothing done"};
+
+}  // namespace
+
+void add_fast_step(pybind11::module_& m) {
+  for (int i = 0; i < 2 + kWeights + kDims; ++i) {
+    names[i] = PyUnicode_InternFromString(kNames[i]);
+    if (names[i] == nullptr) throw pybind11::error_already_set();
+  }
+  PyObject* f = PyCFunction_New(&fast_step_def, nullptr);
+  if (f == nullptr) throw pybind11::error_already_set();
+  m.attr("fast_step") = pybind11::reinterpret_steal<pybind11::object>(f);
+}
+
+}  // namespace mla::api
