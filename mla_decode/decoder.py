@@ -214,7 +214,7 @@ def _attention_torch(q_abs, q_pe, rows, cos, sin, dims: Dims, scale):
 
 # The lean replay (csrc/api/step_fast.cpp): (y, data, paths) when the call's
 # operands match a captured step, else None with nothing done.
-_fast_step = _ext.module().fast_step if _ext.kernels_built() else None
+_fast_step = getattr(_ext.module(), "fast_step", None) if _ext.kernels_built() else None
 _DEFAULT = MLADecoder()
 
 
