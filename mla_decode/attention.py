@@ -82,10 +82,11 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     the lengths in seqlens and kv's capacity stay what they were when it
     was made, for the kernel configuration of dv 512 with the rope keys in
     the cache row (another configuration that splits differently raises).
-    A plan of other lengths gives wrong outputs (each sequence's length is
-    read from the plan, held to kv's capacity, so never out of bounds).
-    Calls sharing a plan must be ordered (one stream, or synchronized): the
-    persistent kernel takes its work items from a counter in the plan.
+    A plan of other lengths still gives the right outputs: each sequence's
+    length is read from seqlens at the call (held to kv's capacity) and its
+    last planned part runs to it, so a stale plan costs only balance. Calls
+    sharing a plan may run on several streams at once (each call takes its
+    work items from a counter of its own).
     split: True (default) lets the planner cut long sequences into parts,
     merged by a combine launch after the attention; False plans every
     sequence as one part and launches no combine (its plan, if passed, made

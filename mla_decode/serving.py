@@ -14,15 +14,17 @@ sizes 1, 16, 32, 64, 128 (any size >= 1 works; those are tested), any h_q
 (16, 24, 32, 64, 128 tested) with one KV head, s_q 1..4 with causal masking.
 
 Differences a caller should know:
-- The split plan is recomputed on the device inside every call from the
-  current ``cache_seqlens`` (a few microseconds, no host synchronisation).
-  ``tile_scheduler_metadata`` and ``num_splits`` are what that planner
-  produced when ``get_mla_metadata`` ran: they are checked for shape and
-  device, never trusted for the split itself, so a stale plan cannot give a
-  wrong answer and a captured CUDA/HIP graph stays right when lengths and
-  block tables change in place. get_mla_metadata plans for DeepSeek's shape
-  (d 576, dv 512); a call with another shape plans with its own kernel's
-  tile, so its splits can differ from num_splits.
+- ``tile_scheduler_metadata`` is the split plan get_mla_metadata made on
+  the device, and a call at DeepSeek's shape (d 576, dv 512, no kpe_cache)
+  uses it, as FlashMLA does: no planner launch in the call. Unlike
+  FlashMLA's, a plan for other lengths cannot give a wrong answer: each
+  call reads every sequence's length from ``cache_seqlens`` as it is then
+  and runs the sequence's last part to it (a stale plan only balances the
+  work by the old lengths), so a captured CUDA/HIP graph stays right when
+  lengths and block tables change in place; and the kernel's work counter
+  is the call's own, so one plan may serve calls on several streams at
+  once. Other shapes, or metadata of other sizes, plan inside the call
+  (one planner launch, no host synchronisation).
 - A sequence of length 0 gives out = 0 and lse = -inf (log of an empty sum),
   never NaN.
 - Supported: bf16 and fp16 (q and k_cache of one dtype; out in it, lse
@@ -117,8 +119,15 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         softmax_scale = d ** -0.5
     if check_block_table:
         _check_block_ids(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
-    return torch.ops.mla_decode.attention(q, k_cache, cache_seqlens, block_table, None, float(softmax_scale),
-                                          bool(causal), None, int(head_dim_v), kpe_cache)
+    args = (q, k_cache, cache_seqlens, block_table, None, float(softmax_scale), bool(causal), None, int(head_dim_v),
+            kpe_cache)
+    if kpe_cache is None and head_dim_v == 512 and d == 576:  # the shape get_mla_metadata plans for
+        try:  # its plan, with the lengths read now and a work counter of this call's own
+            return torch.ops.mla_decode.attention(*args, tile_scheduler_metadata)
+        except ValueError as e:
+            if not str(e).startswith("plan"):  # (a plan of other sizes: this call plans its own)
+                raise
+    return torch.ops.mla_decode.attention(*args)
 
 
 def _check_seqlens(cache_seqlens):

@@ -166,8 +166,10 @@ def test_attention_plan_made_once_serves_many_calls():
     """plan= (as FlashMLA's metadata): one plan from the plan op serves call
     after call with the same lengths (new q each time, as the layers of a
     step), bit for bit what planning inside each call gives; the kernel
-    leaves the plan's work counter at 0. Refused: a plan of another size or
-    dtype, and a kernel configuration that splits the work differently."""
+    leaves the plan's work counter at 0. A plan made for other lengths still
+    gives the right answer (the lengths are read at the call). Refused: a
+    plan of another size or dtype, and a kernel configuration that splits
+    the work differently."""
     g = torch.Generator().manual_seed(45)
     lens = torch.randint(0, 700, (300,), generator=g).tolist() + [2000, 1, 0, 64]
     q, kv, seqlens = make_case(lens, max_seq=2001, seed=46)
@@ -186,6 +188,15 @@ def test_attention_plan_made_once_serves_many_calls():
         if call == 0:
             ro, rl = attention_reference(qc, kv, seqlens, 0.07)
             check(out2, lse2, ro, rl, "with a plan made beforehand")
+    # a plan of other lengths: the lengths are read at the call, so the answer is still right
+    for what, other in [("longer", (seqlens + 900).clamp(max=kv.shape[1])), ("shorter", seqlens // 3),
+                        ("empty", torch.zeros_like(seqlens))]:
+        stale = torch.ops.mla_decode.plan(other, 1, q.shape[2], kv.shape[1])
+        cs = rope_table(kv.shape[1], device="cuda")
+        out, lse = poisoned_out(q)
+        mla_attention(q, kv, seqlens, 0.07, rope_cs=cs, out=out, lse=lse, plan=stale)
+        ro, rl = attention_reference(q, kv, seqlens, 0.07, rope_cs=cs)
+        check(out, lse, ro, rl, f"a plan made for {what} lengths")
     short = torch.ops.mla_decode.plan(seqlens[:3], 1, q.shape[2], kv.shape[1])
     with pytest.raises(ValueError, match="plan"):
         mla_attention(q, kv, seqlens, 0.07, plan=short)

@@ -105,6 +105,38 @@ def test_serving_graph_capture_replays_new_lengths_and_tables():
         check(out, lse, ro.double(), rl.double(), f"graph replay, lengths {lens}")
 
 
+def test_serving_metadata_of_other_lengths_and_shared_by_streams():
+    """The call uses get_mla_metadata's plan (no planner launch) but reads
+    the lengths as they are now: metadata made for other lengths (longer,
+    shorter, empty, split differently) still gives the right answer, and one
+    plan serves calls on two streams at once (each call its own work counter)."""
+    h_q, block_size = 128, 64
+    lens_now = varlen(16, 4096, 1, seed=21)
+    q, pages, table, seqlens = make_paged(lens_now, block_size, h_q=h_q, seed=22)
+    k_cache = pages.unsqueeze(2)
+    ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, dtype=torch.float32)
+    rnd = random.Random(23)
+    for what, lens_then in [("the same", lens_now), ("all longer", [L + 3000 for L in lens_now]),
+                            ("all shorter", [L // 5 for L in lens_now]), ("empty", [0] * 16),
+                            ("shuffled", rnd.sample(lens_now, 16))]:
+        meta, splits = get_mla_metadata(torch.tensor(lens_then, dtype=torch.int32, device="cuda"), h_q, 1)
+        out, lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits)
+        check(out, lse, ro.double(), rl.double(), f"metadata of {what} lengths")
+    # one plan, two streams at once (and the default stream after them)
+    meta, splits = get_mla_metadata(seqlens, h_q, 1)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    outs = []
+    for _ in range(3):
+        for st in streams:
+            with torch.cuda.stream(st):
+                outs.append(flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits))
+    torch.cuda.synchronize()
+    outs.append(flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits))
+    for i, (out, lse) in enumerate(outs):
+        check(out, lse, ro.double(), rl.double(), f"call {i} sharing one plan across streams")
+
+
 def test_serving_bad_inputs():
     q, pages, table, seqlens = make_paged([10, 20], 16, h_q=16, seed=3)
     k_cache = pages.unsqueeze(2)

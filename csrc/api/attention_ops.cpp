@@ -126,12 +126,14 @@ std::pair<at::Tensor, PlanParams> step_plan(const at::Tensor& lens, int64_t h_q,
   return planned;
 }
 
-void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
-                   const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
-                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
-                   const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
-                   const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan_in,
-                   bool split) {
+namespace {
+
+void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                        const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
+                        double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
+                        const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
+                        const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan_in,
+                        bool split, bool plan_fresh) {
   // device
   if (!q.is_cuda()) fail_value("q must be on a GPU, got " + q.device().str());
   const at::Device dev = q.device();
@@ -307,6 +309,16 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   ap.o_part = split ? o_part.data_ptr<float>() : nullptr;  // (no part of a no-split plan writes partials)
   ap.lse_part = split ? lse_part.data_ptr<float>() : nullptr;
   ap.plan = plan.data_ptr<int32_t>();
+  // a plan made before this call: the lengths as they are now, and a work
+  // counter of the call's own (the plan may serve calls on other streams at once)
+  at::Tensor counter;
+  if (plan_in.has_value() && !plan_fresh) {
+    ap.live_lens = true;
+    if (info.kind == AttnKernel::kHopper) {
+      counter = at::zeros({2}, plan.options());
+      ap.counter = counter.data_ptr<int32_t>();
+    }
+  }
   ap.q_row_stride = q.stride(2);
   ap.q_batch_stride = q.stride(0);
   ap.kv_row_stride = kl.row_stride;
@@ -355,6 +367,25 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   cp.f16 = f16;
   cp.pdl = info.kind == AttnKernel::kHopper && sm90_pdl_enabled();
   check_launch(launch_combine(cp, stream), "combine launch");
+}
+
+}  // namespace
+
+void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                   const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
+                   double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
+                   const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
+                   const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan,
+                   bool split) {
+  attention_out_impl(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe, head_dim_v,
+                     kpe_heads, plan, split, false);
+}
+
+void attention_out_fresh_plan(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale, at::Tensor& out,
+                              at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan, bool split) {
+  attention_out_impl(q, kv, seqlens, c10::nullopt, rope_cs, softmax_scale, false, out, lse, c10::nullopt,
+                     head_dim_v, c10::nullopt, plan, split, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,

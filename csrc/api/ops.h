@@ -22,6 +22,14 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                    const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan,
                    bool split = true);
+// attention_out whose `plan` (given) was made for this very call (the decode
+// step's planner): the kernel reads each part's length from the plan and
+// takes its work from the plan's counter. A plan passed to attention_out
+// itself may be of other lengths and shared: the lengths are read from
+// seqlens and the work counter is the call's own.
+void attention_out_fresh_plan(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
+                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale, at::Tensor& out,
+                              at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan, bool split);
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,

@@ -113,9 +113,8 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   attention_bounded_register(cache, c10::nullopt, r);  // (once per cache layout; see bounded_maps.cpp)
   at::Tensor o_lat = at::empty({bs, 1, H, r}, opts);
   at::Tensor lse = at::empty({bs, H, 1}, opts.dtype(at::kFloat));
-  attention_out(qbuf.transpose(0, 1).unsqueeze(1), cache, seqlens, c10::nullopt, rope_cs,
-                1.0 / std::sqrt(static_cast<double>(nope + rope)), false, o_lat, lse, c10::nullopt, r, c10::nullopt,
-                plan, split);
+  attention_out_fresh_plan(qbuf.transpose(0, 1).unsqueeze(1), cache, seqlens, rope_cs,
+                           1.0 / std::sqrt(static_cast<double>(nope + rope)), o_lat, lse, r, plan, split);
   // ---- 6. W_UV per head, then wo
   at::Tensor obuf = at::empty({bs, H, v}, opts);
   at::Tensor obuf_t = obuf.transpose(0, 1);

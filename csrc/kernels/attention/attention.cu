@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnPar
   float* rs_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes + T::kCsBytes);
 
   Part pt;
-  if (!read_part(p, block_y(), pt)) return;
+  if (!read_part(p, block_y(), pt, T::kBN)) return;
   const int b = pt.b, tile_begin = pt.tile_begin, tile_end = pt.tile_end, split = pt.split;
   const int nsplit = pt.nsplit, first_part = pt.first_part, L = pt.L;
 

@@ -371,8 +371,10 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   };
   int nitem = 0;        // work items this block has started (Q's mbarrier parity)
   bool q_ready = false;  // the current item's Q was issued during the previous item
-  auto grab = [&]() -> int {  // (the plan is read-only but for this counter)
-    return p.ctas > 0 ? atomicAdd(const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts), 1) +
+  // the work counter and done count: the call's own, or the plan's (read-only but for them)
+  int32_t* const ctr = p.counter != nullptr ? p.counter : const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts);
+  auto grab = [&]() -> int {
+    return p.ctas > 0 ? atomicAdd(ctr, 1) +
                             static_cast<int>(gridDim.x)
                       : -1;
   };
@@ -644,7 +646,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // Item `item`: its part, sequence, length and head rows into the item state,
   // and its length-bounded maps (if any) acquired. False past the plan.
   auto start_item = [&](int item) -> bool {
-    if (!read_part(p, item / hblocks, pt)) return false;
+    if (!read_part(p, item / hblocks, pt, T::kTileKeys)) return false;
     b = pt.b;
     L = pt.L;
     npairs = pt.tile_end - pt.tile_begin;
@@ -969,7 +971,6 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // another call with the same lengths (attention(plan=)).
   auto release_plan = [&] {
     if (p.ctas > 0 && tid == 0) {
-      int32_t* ctr = const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts);
       __threadfence();
       if (atomicAdd(ctr + 1, 1) == static_cast<int>(gridDim.x) - 1) {
         atomicExch(ctr, 0);

@@ -28,6 +28,11 @@ struct AttnParams {
   float* o_part;              // [max_parts, rows, Dv] fp32 partial outputs (split sequences only)
   float* lse_part;            // [max_parts, rows]
   const int32_t* plan;        // planner output, see plan.h
+  int32_t* counter;           // or nullptr: the Hopper kernel's work counter and done count (2 ints, zero at
+                              //   the launch) for this call alone; nullptr: the plan's own (plan.h)
+  bool live_lens;             // the plan was made before this call (for other lengths, perhaps): every part
+                              //   takes its sequence's length from seqlens now, and a sequence's last part
+                              //   runs to it (part.h)
 
   int64_t q_row_stride;       // elements between heads (query rows)
   int64_t q_batch_stride;     // elements between sequences

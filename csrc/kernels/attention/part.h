@@ -20,7 +20,12 @@ struct Part {
 };
 
 // False for the blocks of grid.y beyond the planned parts (they exit).
-MLA_DEVICE bool read_part(const AttnParams& p, int part, Part& out) {
+// `tile`: the kernel's keys per planned tile. With p.live_lens (a plan made
+// before the call) the length is the sequence's now, not the planned one: a
+// part's tiles are cut at it, and the sequence's last part runs to it, so a
+// plan of other lengths still covers every key exactly once (its balance is
+// the old lengths').
+MLA_DEVICE bool read_part(const AttnParams& p, int part, Part& out, int tile) {
   if (part < 0 || part >= p.plan[0]) return false;
   const int4* pi = reinterpret_cast<const int4*>(p.plan + plan_part_base(p.bs) + kPartInts * part);
   const int4 a = pi[0], c = pi[1];  // (independent of each other and of plan[0])
@@ -31,6 +36,12 @@ MLA_DEVICE bool read_part(const AttnParams& p, int part, Part& out) {
   out.nsplit = c.x;
   out.first_part = c.y;
   out.L = min(c.z, p.max_len);  // (the planner clamped it to its capacity; a plan passed in is held to the call's)
+  if (p.live_lens) {
+    out.L = min(max(p.seqlens[out.b], 0), p.max_len);
+    const int tiles = (out.L + tile - 1) / tile;
+    out.tile_end = out.split == out.nsplit - 1 ? tiles : min(out.tile_end, tiles);
+    out.tile_end = max(out.tile_end, out.tile_begin);  // (an empty part: lse -inf, as an empty sequence's)
+  }
   return true;
 }
 

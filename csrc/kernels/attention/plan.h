@@ -12,8 +12,10 @@
 //   plan[plan_counter(bs, max_parts)] work counter of the persistent Hopper kernel (0 after
 //                                    the planner; its blocks take their next item from it)
 //   plan[plan_counter(...) + 1]      blocks of that kernel done; the last one to finish sets
-//                                    both back to 0, so the same plan serves the next call
-//                                    with the same lengths (as FlashMLA's metadata)
+//                                    both back to 0. Used by the call that made the plan (the
+//                                    decode step); a call given a plan made before it counts
+//                                    in a zeroed pair of its own (AttnParams::counter) and
+//                                    reads the lengths at the call (AttnParams::live_lens)
 //
 // A part is a contiguous range of key tiles of one sequence; a sequence of
 // length 0 still gets one (empty) part so that its output is written.
