@@ -78,10 +78,10 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     plan: None (the call plans its split on the device: one planner launch
     ahead of the attention), or ``torch.ops.mla_decode.plan(seqlens, s_q,
     h_q, capacity)`` made beforehand, as FlashMLA's ``get_mla_metadata``:
-    one plan serves every call (e.g. every layer of a decode step) while
-    the lengths in seqlens and kv's capacity stay what they were when it
-    was made, for the kernel configuration of dv 512 with the rope keys in
-    the cache row (another configuration that splits differently raises).
+    one plan serves every call (e.g. every layer of a decode step), split
+    best while the lengths in seqlens stay what they were when it was made,
+    for the kernel configuration of dv 512 with the rope keys in the cache
+    row (another configuration that splits differently raises).
     A plan of other lengths still gives the right outputs: each sequence's
     length is read from seqlens at the call (held to kv's capacity) and its
     last planned part runs to it, so a stale plan costs only balance. Calls

@@ -107,12 +107,7 @@ class MLADecoder:
         return None if self._ran is None else kernel_choice.describe_step_paths(self._ran)
 
     def __call__(self, config, x, kv_cache):
-        if _fast_step is not None and self.backend != "torch":
-            r = _fast_step((config, x, kv_cache))
-            if r is not None:  # a replay of this step's captured graph
-                self.last_backend, self._ran = "kernels", r[2]
-                return r[0], r[1]
-        return self._call(config, x, kv_cache)
+        return self.step((config, x, kv_cache))
 
     def _call(self, config, x, kv_cache):
         data, pos = cache_parts(kv_cache)
@@ -148,7 +143,7 @@ class MLADecoder:
     def step(self, data):
         if _fast_step is not None and self.backend != "torch":
             r = _fast_step(data)
-            if r is not None:
+            if r is not None:  # a replay of this step's captured graph
                 self.last_backend, self._ran = "kernels", r[2]
                 return r[0], r[1]
         config, x, kv_cache = data
