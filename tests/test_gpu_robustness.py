@@ -52,8 +52,12 @@ def test_parameter_weights():
     config, x, kv = _inputs(seed=1)
     params = {n: torch.nn.Parameter(getattr(config, n).clone()) for n in NAMES}
     cfg = dataclasses.replace(config, **params)
-    y = _check_against_reference(cfg, x, kv, mla_decode.MLADecoder(backend="kernels"))
-    assert not y.requires_grad
+    dec = mla_decode.MLADecoder(backend="kernels")
+    for call in range(4):  # (from the third call on, replays of the captured step)
+        y = _check_against_reference(cfg, x, kv, dec)
+        assert not y.requires_grad, f"call {call}"
+    if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
+        assert dec.last_paths["launch"] == "graph replay"
     y_t, _ = mla_decode.MLADecoder(backend="torch")(cfg, x, kv.clone())  # the fallback too
     assert not y_t.requires_grad
 
@@ -62,8 +66,11 @@ def test_inference_mode():
     with torch.inference_mode():
         config, x, kv = _inputs(seed=2)
         _check_against_reference(config, x, kv, mla_decode.MLADecoder(backend="kernels"))
-        y, _ = mla_decode.custom_kernel((config, x, kv))
-        assert y.is_inference()
+        for call in range(3):  # (the last ones replays of the captured step)
+            y = _check_against_reference(config, x, kv, lambda c, xx, k: mla_decode.custom_kernel((c, xx, k)))
+            assert y.is_inference(), f"call {call}"
+        if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
+            assert mla_decode.decoder._DEFAULT.last_paths["launch"] == "graph replay"
     # inference tensors made elsewhere, called outside inference mode
     config, x, kv = _inputs(seed=3)
     with torch.inference_mode():
