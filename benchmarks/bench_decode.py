@@ -19,9 +19,11 @@ Without a GPU it runs a reduced size on the PyTorch fallback and says so.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -53,6 +55,57 @@ def make_check(ref_chunk):
         ok_c, rc = task_rule(out[1], c_ref)
         return None if ok_y and ok_c else f"mismatch: y {ry:.3g}, cache {rc:.3g} (x the tolerance)"
     return check
+
+
+class CallProbe:
+    """What each judged call did besides the step (noted outside the timed
+    span): the launch path of custom_kernel's decoder, whether the call
+    captured its step, the device memory the caching allocator had to take
+    from or give back to the driver, and the time in Python's garbage
+    collector."""
+
+    def __init__(self):
+        self.gc_ns, self._gc_t0 = 0, None
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._gc_t0 = time.perf_counter_ns()
+        elif self._gc_t0 is not None:
+            self.gc_ns += time.perf_counter_ns() - self._gc_t0
+            self._gc_t0 = None
+
+    @staticmethod
+    def _driver_calls():
+        if not torch.cuda.is_available():
+            return 0, 0
+        s = torch.cuda.memory_stats()
+        return s.get("num_device_alloc", 0), s.get("num_device_free", 0)
+
+    def before(self):
+        calls = self._driver_calls()
+        return calls, self.gc_ns  # (the collector's time read after this probe's own allocations)
+
+    def after(self, token):
+        (a0, f0), g0 = token
+        g1 = self.gc_ns  # (before this probe's own allocations, which may start a collection)
+        a1, f1 = self._driver_calls()
+        dec = mla_decode.decoder._DEFAULT
+        paths = dec.last_paths
+        launch = (paths["launch"] + (", then captured" if paths.get("captured") else "")) if paths else dec.last_backend
+        return dict(launch=launch, mallocs=a1 - a0, frees=f1 - f0, gc_us=(g1 - g0) / 1e3)
+
+
+def slowest(st, n=3):
+    """The n slowest timed calls of a harness loop: [(us, note)]."""
+    order = sorted(range(len(st.us)), key=lambda i: -st.us[i])[:n]
+    return [(i, st.us[i], st.notes[i]) for i in order]
+
+
+def describe_slowest(calls):
+    return "; ".join(f"call {i}: {us:.0f} us {n['launch']}" + (f", {n['mallocs']} cudaMalloc" if n["mallocs"] else "")
+                     + (f", {n['frees']} cudaFree" if n["frees"] else "")
+                     + (f", gc {n['gc_us']:.0f} us" if n["gc_us"] else "") for i, us, n in calls)
 
 
 def inputs_maker(bs, prefill, device, reduced, seed):
@@ -113,12 +166,13 @@ def run_shape(prefill, args, device, reduced, peaks, fm):
     check = make_check(args.ref_chunk)
     res = dict(prefill=prefill, bs=args.bs)
     # 1. judged: the harness's benchmark mode with custom_kernel
-    st, err = harness.benchmark_mode(mla_decode.custom_kernel, make, check)
+    st, err = harness.benchmark_mode(mla_decode.custom_kernel, make, check, probe=args.probe)
     res["correct"] = err is None
     if err:
         res["error"] = err
         return res
-    res.update(bench_mean=st.mean, bench_best=st.best, bench_worst=st.worst, bench_first=st.first, bench_runs=st.runs)
+    res.update(bench_mean=st.mean, bench_best=st.best, bench_worst=st.worst, bench_first=st.first, bench_runs=st.runs,
+               bench_slowest=slowest(st))
     if device == "cuda":
         torch.cuda.empty_cache()
     if args.judged_only:
@@ -181,6 +235,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
+    args.probe = CallProbe()
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
@@ -212,9 +267,9 @@ def main():
         # (the checks here in chunks of 16 sequences: fresh inputs every call leave less room for the reference)
         st, err = harness.leaderboard_mode(mla_decode.custom_kernel,
                                            inputs_maker(args.bs, prefills[-1], device, reduced, seed=7),
-                                           make_check(16))
+                                           make_check(16), probe=args.probe)
         lb = dict(prefill=prefills[-1], error=err) if err else dict(prefill=prefills[-1], mean=st.mean, best=st.best,
-                                                                    worst=st.worst, runs=st.runs)
+                                                                    worst=st.worst, runs=st.runs, slowest=slowest(st))
 
     nan = float("nan")
     print("\n## judged: the task harness's loops (wall clock between synchronizes, us)")
@@ -234,6 +289,12 @@ def main():
         else:
             print(f"leaderboard mode (prefill {lb['prefill']}, fresh inputs every call): mean {lb['mean']:.1f} us, "
                   f"best {lb['best']:.1f}, worst {lb['worst']:.1f}, {lb['runs']} runs")
+    print("slowest judged calls (timed call index, us, launch path, driver allocations and garbage collection "
+          "inside the call):")
+    for r in ok_rows:
+        print(f"  prefill {r['prefill']}: {describe_slowest(r['bench_slowest'])}")
+    if lb is not None and not lb.get("error"):
+        print(f"  leaderboard: {describe_slowest(lb['slowest'])}")
 
     if not args.judged_only:
         print_steady(ok_rows)

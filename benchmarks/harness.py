@@ -10,13 +10,18 @@ calls, first ones included.
 - leaderboard mode: the same loop on one shape with fresh weights, a fresh
   cache and a check on EVERY timed call (inputs made and checked untimed).
 - warm-up: 0.2 s of calls on the first shape's own inputs before either.
+
+A ``probe`` (optional, outside the timed span) notes what happened inside
+each timed call: ``probe.before()`` runs before the first synchronize,
+``probe.after(token)`` after the second; its notes come back per call in
+``Stats.notes`` beside ``Stats.us``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +40,8 @@ class Stats:
     best: float
     worst: float
     first: float  # the first timed call, us
+    us: list = field(default_factory=list)  # every timed call, us
+    notes: list = field(default_factory=list)  # the probe's note per call (None without a probe)
 
 
 def stats(durations_ns):
@@ -42,15 +49,17 @@ def stats(durations_ns):
     us = [d / 1e3 for d in durations_ns]
     mean = sum(us) / n
     std = math.sqrt(sum((u - mean) ** 2 for u in us) / (n - 1)) if n > 1 else 0.0
-    return Stats(n, mean, std, std / math.sqrt(n), min(us), max(us), us[0])
+    return Stats(n, mean, std, std / math.sqrt(n), min(us), max(us), us[0], us)
 
 
-def _timed(kernel, data):
+def _timed(kernel, data, probe=None):
+    token = probe.before() if probe is not None else None
     _sync()
     t0 = time.perf_counter_ns()
     out = kernel(data)
     _sync()
-    return time.perf_counter_ns() - t0, out
+    dt = time.perf_counter_ns() - t0
+    return dt, out, (probe.after(token) if probe is not None else None)
 
 
 def warm_up(kernel, make_inputs, seconds=0.2):
@@ -62,20 +71,23 @@ def warm_up(kernel, make_inputs, seconds=0.2):
 
 
 def _loop(one_call, max_repeats, max_time_ns, rel_err):
-    """The harness's stopping rule around one_call() -> (ns, error or None):
-    at most max_repeats calls; after 3, stop once the standard error is
-    under rel_err of the mean or the calls add up to max_time_ns."""
-    durations = []
+    """The harness's stopping rule around one_call() -> (ns, error or None,
+    note): at most max_repeats calls; after 3, stop once the standard error
+    is under rel_err of the mean or the calls add up to max_time_ns."""
+    durations, notes = [], []
     for i in range(max_repeats):
-        dt, err = one_call()
+        dt, err, note = one_call()
         if err:
             return None, err
         durations.append(dt)
+        notes.append(note)
         if i > 1:
             s = stats(durations)
             if s.err / s.mean < rel_err or s.mean * 1e3 * s.runs > max_time_ns:
                 break
-    return stats(durations), None
+    s = stats(durations)
+    s.notes = notes
+    return s, None
 
 
 def _checked_first_call(kernel, make_inputs, check):
@@ -85,7 +97,7 @@ def _checked_first_call(kernel, make_inputs, check):
     return (config, x, kv), err
 
 
-def benchmark_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=10e9, rel_err=0.01):
+def benchmark_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=10e9, rel_err=0.01, probe=None):
     """One checked call, then the timed loop on the same inputs. ``check(data
     before the call, output)`` returns an error text or None. Returns (Stats,
     error or None)."""
@@ -94,13 +106,13 @@ def benchmark_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=10e9
         return None, err
 
     def one_call():
-        dt, out = _timed(kernel, data)
+        dt, out, note = _timed(kernel, data, probe)
         del out
-        return dt, None
+        return dt, None, note
     return _loop(one_call, max_repeats, max_time_ns, rel_err)
 
 
-def leaderboard_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=30e9, rel_err=0.01):
+def leaderboard_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=30e9, rel_err=0.01, probe=None):
     """Fresh inputs (new weights, new cache) and a check on every timed call."""
     _, err = _checked_first_call(kernel, make_inputs, check)
     if err:
@@ -109,6 +121,6 @@ def leaderboard_mode(kernel, make_inputs, check, max_repeats=100, max_time_ns=30
     def one_call():
         config, x, kv = make_inputs()
         kv_copy = kv.clone()
-        dt, out = _timed(kernel, (config, x, kv))
-        return dt, check((config, x, kv_copy), out)
+        dt, out, note = _timed(kernel, (config, x, kv), probe)
+        return dt, check((config, x, kv_copy), out), note
     return _loop(one_call, max_repeats, max_time_ns, rel_err)

@@ -262,6 +262,6 @@ def test_last_paths_say_what_ran():
     config, x, kv = generate_input(batch_size=8, prefill=10, seed=6, device="cuda")
     dec = mla_decode.MLADecoder(backend="kernels")
     dec(config, x, kv)
-    assert set(dec.last_paths) == {"down", "query", "wo", "launch"}
+    assert set(dec.last_paths) == {"down", "query", "wo", "launch", "captured"}
     if mla_decode.kernel_choice.hopper("cuda"):
         assert dec.last_paths["down"] == "sm90 GEMM" and dec.last_paths["query"] == "fused sm90 query"

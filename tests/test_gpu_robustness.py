@@ -338,7 +338,7 @@ def test_repeated_steps_replay_and_read_everything_anew():
     dec = mla_decode.MLADecoder(backend="kernels")
     dec(config, x, kv.clone())  # (a device's first step is captured at once: not this test's subject)
     mla_decode.release_cached()  # (no step captured by an earlier test)
-    launches, kept = [], []
+    launches, kept, captured = [], [], []
     side = torch.cuda.Stream()
     for step in range(6):
         if step == 3:  # the cache written by another kernel, x rewritten in place
@@ -353,6 +353,7 @@ def test_repeated_steps_replay_and_read_everything_anew():
         else:
             y, data = dec(config, x, kv)
         launches.append(dec.last_paths["launch"])
+        captured.append(dec.last_paths["captured"])
         y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
         assert_task_rule(y, y_ref, f"y at step {step}")
         assert_task_rule(data, data_ref, f"cache at step {step}")
@@ -371,6 +372,7 @@ def test_repeated_steps_replay_and_read_everything_anew():
     if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
         # seen once: eager; seen again: eager, then captured; from the third call on: replays
         assert launches == ["eager"] * 2 + ["graph replay"] * 12, launches
+        assert captured == [False, True, False, False, False, False], captured
     mla_decode.release_cached()
     ref = kv.clone()
     y, data = dec(config, x, kv)

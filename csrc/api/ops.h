@@ -90,8 +90,9 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
 void release_cached();
 
 // What decode_step's `want` asks for and its second result says ran.
-// kStepGraph (reported only): the step was a replay of its captured graph (step_graph.h).
-enum StepPath : int64_t { kStepDownOwn = 1, kStepQueryFused = 2, kStepWoLt = 4, kStepGraph = 8 };
+// Reported only: kStepGraph, the step was a replay of its captured graph; kStepCaptured, the step
+// ran eagerly and was then captured for the next call to replay (step_graph.h).
+enum StepPath : int64_t { kStepDownOwn = 1, kStepQueryFused = 2, kStepWoLt = 4, kStepGraph = 8, kStepCaptured = 16 };
 
 // One decode step of the layer (step.cpp): x [bs, 1, dim]; the task's five
 // weights; cache [bs, max_seq_len, kv_lora + rope] with the new row going to

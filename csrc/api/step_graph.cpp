@@ -227,6 +227,7 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
   e->used = ++tick;
   entries.push_back(std::move(e));
   ++ds.graphs;
+  out.ran |= kStepCaptured;
   return out;
 }
 

@@ -53,8 +53,8 @@ using StepEnqueue = std::function<StepOut(int32_t* len_slot)>;
 // (ran | kStepGraph); otherwise runs `enqueue` eagerly, and when `key` is
 // among the last kRecent keys seen once on this device (or this is the
 // device's first step), captures the step after those launches (while the
-// GPU runs them) for the next call to replay. Always eager while the stream
-// is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
+// GPU runs them) for the next call to replay (ran | kStepCaptured). Always
+// eager while the stream is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
 StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue);
 
 // The lean replay (step_fast.cpp): replays, on the current stream of
