@@ -11,9 +11,13 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 
 #include "../kernels/attention/attention.h"
 #include "../platform/vendor.h"
@@ -85,6 +89,25 @@ bool graphs_off() {
   return off;
 }
 
+// MLA_DECODE_STEP_GRAPH_TRACE=1: one line on stderr per capture with its
+// host time by phase (a diagnostic of the calls that capture).
+bool trace_captures() {
+  static const bool on = [] {
+    const char* v = std::getenv("MLA_DECODE_STEP_GRAPH_TRACE");
+    return v != nullptr && *v != '\0' && std::string(v) != "0";
+  }();
+  return on;
+}
+
+using Clock = std::chrono::steady_clock;
+double us_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+// host time points of one capture (trace_captures)
+struct CaptureMarks {
+  Clock::time_point begun, enqueued, ended;
+};
+
 DeviceState& device_state(int device) {
   if (device >= static_cast<int>(devices.size())) devices.resize(device + 1);
   return devices[device];
@@ -121,7 +144,7 @@ StepOut replay(Entry& e, DeviceState& ds, int32_t len, stream_t stream) {
 }
 
 // Captures `enqueue` on the device's side stream into the device's pool.
-std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEnqueue& enqueue) {
+std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEnqueue& enqueue, CaptureMarks& marks) {
   const int device = key.device;
   if (!ds.side) {
     ds.side = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
@@ -140,8 +163,11 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
     e->graph->capture_begin(ds.has_pool ? ds.pool : at::cuda::MempoolId_t{0, 0},
                             MLA_RT(StreamCaptureModeThreadLocal));
     begun = true;
+    marks.begun = Clock::now();
     e->out = enqueue(e->len_slot.data_ptr<int32_t>());
+    marks.enqueued = Clock::now();
     e->graph->capture_end();  // (instantiates)
+    marks.ended = Clock::now();
   } catch (...) {
     if (begun) {
       try {
@@ -198,7 +224,9 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
   // capture's host work then costs the call little beyond the step's device
   // time); the next call with this key replays.
   lock.unlock();
+  const Clock::time_point t_call = Clock::now();
   StepOut out = enqueue(nullptr);
+  const Clock::time_point t_eager = Clock::now();
   lock.lock();
   DeviceState& ds = device_state(key.device);
   if (ds.no_graphs) return out;
@@ -214,10 +242,21 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
     if (--old.graphs == 0) old.has_pool = false;  // (PyTorch frees a pool with no graph left: the next capture makes one)
   }
   std::unique_ptr<Entry> e;
+  const Clock::time_point t_capture = Clock::now();
+  CaptureMarks marks;
   try {
-    e = capture(key, ds, enqueue);
+    e = capture(key, ds, enqueue, marks);
     // its launch resources to the device now, ordered after this call's step (not in the next call's time)
     check_launch(graph_upload(e->exec, stream), "decode step graph upload");
+    if (trace_captures()) {
+      const Clock::time_point t_done = Clock::now();
+      std::fprintf(stderr,
+                   "mla_decode step capture on cuda:%d, host us: eager %.1f, lock and eviction %.1f, begin %.1f, "
+                   "enqueue %.1f, end (instantiate) %.1f, upload %.1f\n",
+                   key.device, us_between(t_call, t_eager), us_between(t_eager, t_capture),
+                   us_between(t_capture, marks.begun), us_between(marks.begun, marks.enqueued),
+                   us_between(marks.enqueued, marks.ended), us_between(marks.ended, t_done));
+    }
   } catch (const c10::Error& err) {  // this call's step ran eagerly; the GPU stays eager from then on
     ds.no_graphs = true;
     TORCH_WARN_ONCE("mla_decode: the decode step could not be captured into a graph on cuda:", key.device,
