@@ -234,8 +234,11 @@ def main():
     ap.add_argument("--judged-only", action="store_true", help="the harness's loops alone (no steady-state section)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="no notes on the judged calls (the probe reads the allocator's counters just before each "
+                         "timed call, outside its span)")
     args = ap.parse_args()
-    args.probe = CallProbe()
+    args.probe = None if args.no_probe else CallProbe()
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
@@ -289,12 +292,13 @@ def main():
         else:
             print(f"leaderboard mode (prefill {lb['prefill']}, fresh inputs every call): mean {lb['mean']:.1f} us, "
                   f"best {lb['best']:.1f}, worst {lb['worst']:.1f}, {lb['runs']} runs")
-    print("slowest judged calls (timed call index, us, launch path, driver allocations and garbage collection "
-          "inside the call):")
-    for r in ok_rows:
-        print(f"  prefill {r['prefill']}: {describe_slowest(r['bench_slowest'])}")
-    if lb is not None and not lb.get("error"):
-        print(f"  leaderboard: {describe_slowest(lb['slowest'])}")
+    if args.probe is not None:
+        print("slowest judged calls (timed call index, us, launch path, driver allocations and garbage collection "
+              "inside the call):")
+        for r in ok_rows:
+            print(f"  prefill {r['prefill']}: {describe_slowest(r['bench_slowest'])}")
+        if lb is not None and not lb.get("error"):
+            print(f"  leaderboard: {describe_slowest(lb['slowest'])}")
 
     if not args.judged_only:
         print_steady(ok_rows)
