@@ -14,10 +14,11 @@ Two backends:
 
 Every call reads the weights and the whole cache where they lie (so
 weights updated in place, caches written by other kernels, graph replays or
-other threads are all read as they are now). A call whose operands
-(addresses, layouts, sizes) come back soon replays the step captured as a
-CUDA graph (csrc/api/step_graph.cpp): the same work without the host's
-launches. The state kept is bounded: at most four captured steps per
+other threads are all read as they are now). A call with new operands
+(addresses, layouts, sizes) captures its step as a CUDA graph while fewer
+than four are captured, and later a step whose operands come back soon
+(csrc/api/step_graph.cpp); calls that repeat them replay it: the same work
+without the host's launches. The state kept is bounded: at most four captured steps per
 process, the RoPE table per device (128 bytes per position) and the
 attention's map tables (bounded_maps.cpp, four per process);
 ``release_cached()`` drops them all.

@@ -53,7 +53,7 @@ def test_parameter_weights():
     params = {n: torch.nn.Parameter(getattr(config, n).clone()) for n in NAMES}
     cfg = dataclasses.replace(config, **params)
     dec = mla_decode.MLADecoder(backend="kernels")
-    for call in range(4):  # (from the third call on, replays of the captured step)
+    for call in range(4):  # (the last ones replays of the captured step)
         y = _check_against_reference(cfg, x, kv, dec)
         assert not y.requires_grad, f"call {call}"
     if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
@@ -370,9 +370,9 @@ def test_repeated_steps_replay_and_read_everything_anew():
     for i, (y, y0) in enumerate(kept):
         assert torch.equal(y, y0), f"the y of step {i} changed after later steps"
     if os.environ.get("MLA_DECODE_STEP_GRAPH") != "0":
-        # seen once: eager; seen again: eager, then captured; from the third call on: replays
-        assert launches == ["eager"] * 2 + ["graph replay"] * 12, launches
-        assert captured == [False, True, False, False, False, False], captured
+        # nothing captured: the first call runs eagerly, then is captured; from the second call on: replays
+        assert launches == ["eager"] + ["graph replay"] * 13, launches
+        assert captured == [True, False, False, False, False, False], captured
     mla_decode.release_cached()
     ref = kv.clone()
     y, data = dec(config, x, kv)
@@ -417,23 +417,35 @@ def test_first_step_of_a_process_is_captured_at_once():
 
 
 def test_steps_taking_turns_are_captured_only_when_they_come_back_soon():
-    """Operands seen once run eagerly; a step whose operands come back within
-    four other first sights is captured and then replayed (two caches taking
-    turns); five taking turns stay eager (as the 61 layers of a model on one
-    decoder would)."""
+    """While fewer than four steps are captured, a new step is captured by its
+    first call (two caches taking turns replay from their second calls). Once
+    four are: a step seen again within four other first sights replaces the
+    least recently replayed one only if that one has not run since (a new
+    working set, as a benchmark's next shape), so that six caches taking
+    turns (as the layers of a model on one decoder) keep the four captured
+    ones replaying and the other two eager, with no capture after the first
+    round."""
     if os.environ.get("MLA_DECODE_STEP_GRAPH") == "0":
         pytest.skip("MLA_DECODE_STEP_GRAPH=0: no captured steps")
     config, x, kv = _inputs(bs=8, prefill=100, seed=31)
     dec = mla_decode.MLADecoder(backend="kernels")
     dec(config, x, kv.clone())  # (a device's first step is captured at once: not this test's subject)
-    for turns, want in ((2, ["eager"] * 4 + ["graph replay"] * 4), (5, ["eager"] * 10)):
+    six = ["eager"] * 6 + (["graph replay"] * 4 + ["eager"] * 2) * 2
+    for turns, want in ((2, ["eager"] * 2 + ["graph replay"] * 6), (6, six)):
         mla_decode.release_cached()
         caches = [kv.clone() for _ in range(turns)]
-        launches = []
+        launches, captured = [], []
         for i in range(len(want)):
             _, launch = _checked_step(dec, config, x, caches[i % turns], f"call {i} of {turns} caches taking turns")
             launches.append(launch)
+            captured.append(dec.last_paths["captured"])
         assert launches == want, (turns, launches)
+        assert captured == [i < min(turns, 4) for i in range(len(want))], (turns, captured)
+    # a new cache used again and again after those: its second call replaces the least recently replayed
+    # step (not run since the new one's first call) and its third replays
+    new = kv.clone()
+    launches = [_checked_step(dec, config, x, new, f"call {i} on a new cache")[1] for i in range(3)]
+    assert launches == ["eager", "eager", "graph replay"], launches
     mla_decode.release_cached()
 
 
@@ -450,7 +462,7 @@ def test_lean_replay_matches_only_a_captured_step():
     dec(config, x, kv.clone())  # (a device's first step is captured at once: not this test's subject)
     mla_decode.release_cached()
     assert fast((config, x, kv)) is None and kv.seq_len == 100  # nothing captured yet
-    for step in range(2):  # seen once, then again: captured after the second call
+    for step in range(2):  # captured after the first call (nothing else is), replayed by the second
         _checked_step(dec, config, x, kv, f"step {step}")
     for seq_len in (102, 102, 90, 91):  # the next length, a rewound one, then on from there
         kv.seq_len = seq_len

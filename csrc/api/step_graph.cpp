@@ -51,7 +51,7 @@ StepKey step_key_prefix(const at::Tensor& x, std::initializer_list<const at::Ten
 namespace {
 
 constexpr size_t kMaxGraphs = 4;
-constexpr size_t kRecent = 4;  // a key seen again within this many other first sights is captured
+constexpr size_t kRecent = 4;  // a key seen again within this many other first sights may be captured
 
 struct Entry {
   StepKey key;
@@ -73,7 +73,11 @@ struct DeviceState {
   stream_t last = nullptr;    // the stream of that replay
   std::optional<c10::cuda::CUDAStream> side;  // where this device's steps are captured
   int graphs = 0;             // captured steps alive here (sharing `pool`)
-  std::vector<StepKey> recent;  // the last kRecent keys seen once (eager), oldest first
+  struct Seen {
+    StepKey key;
+    uint64_t at;  // the tick of that sight
+  };
+  std::vector<Seen> recent;   // the last kRecent keys seen and not captured (eager), oldest first
   bool seen = false;          // a step has run here (the first one is captured at once)
   bool no_graphs = false;     // a capture failed here: eager from then on (warned once)
 };
@@ -82,7 +86,8 @@ std::mutex mu;
 // Leaked on purpose: graphs must not be destroyed after the CUDA runtime at exit.
 std::vector<std::unique_ptr<Entry>>& entries = *new std::vector<std::unique_ptr<Entry>>();
 std::vector<DeviceState>& devices = *new std::vector<DeviceState>();
-uint64_t tick = 0;
+uint64_t tick = 0;  // steps run (replays, eager calls and captures), process-wide: the clock of Entry::used
+                    // and of DeviceState::recent
 
 bool graphs_off() {
   static const bool off = env_off("MLA_DECODE_STEP_GRAPH");
@@ -205,24 +210,40 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
     }
     for (auto& e : entries)
       if (e->key == key) return replay(*e, ds, len, stream);
-    // A device's first step is captured at once: the one-time costs of its
-    // first capture (graph pool, side stream, library handles: several ms)
-    // then land in the call that already pays the libraries' start-up.
-    auto it = std::find(ds.recent.begin(), ds.recent.end(), key);
-    const bool again = it != ds.recent.end() || !ds.seen;
+    const uint64_t now = ++tick;
+    // Captured at once: a device's first step (the one-time costs of its
+    // first capture, graph pool, side stream, library handles: several ms,
+    // then land in the call that already pays the libraries' start-up), and
+    // any step while fewer than kMaxGraphs are captured (no captured step
+    // goes for it, and its second call replays). Once they are all taken, a
+    // step is captured when it comes back within kRecent other first sights
+    // and the least recently replayed captured step has not been replayed
+    // since this key was last seen: so a new working set replaces an old one
+    // from its second call, while a few more keys than kMaxGraphs taking
+    // turns leave the captured ones replaying and the others eager (instead
+    // of each capture evicting a step that comes back next).
+    auto it = std::find_if(ds.recent.begin(), ds.recent.end(), [&](const DeviceState::Seen& r) { return r.key == key; });
+    const bool seen_again = it != ds.recent.end();
+    const uint64_t last_seen = seen_again ? it->at : 0;
+    if (seen_again) ds.recent.erase(it);
+    bool capture_now = !ds.seen || entries.size() < kMaxGraphs;
+    if (!capture_now && seen_again) {
+      uint64_t oldest = now;
+      for (auto& e : entries) oldest = std::min(oldest, e->used);
+      capture_now = oldest < last_seen;
+    }
     ds.seen = true;
-    if (it != ds.recent.end()) ds.recent.erase(it);
-    if (!again) {  // a first sight: eager; captured if it comes back soon
+    if (!capture_now) {  // eager; remembered among the recent keys (captured if it comes back soon)
       if (ds.recent.size() >= kRecent) ds.recent.erase(ds.recent.begin());
-      ds.recent.push_back(key);
+      ds.recent.push_back({key, now});
       lock.unlock();
       return enqueue(nullptr);
     }
   }
-  // A repeat (or the device's first step): this call runs eagerly, and the
-  // step is captured after its launches, while the GPU runs them (the
-  // capture's host work then costs the call little beyond the step's device
-  // time); the next call with this key replays.
+  // This call runs eagerly, and the step is captured after its launches,
+  // while the GPU runs them (the capture's host work then costs the call
+  // little beyond the step's device time); the next call with this key
+  // replays.
   lock.unlock();
   const Clock::time_point t_call = Clock::now();
   StepOut out = enqueue(nullptr);

@@ -1,6 +1,7 @@
-// The decode step's replay cache: a step whose operands (addresses and
-// layouts) come back soon (within four other new ones on that GPU) is
-// captured once into a CUDA/HIP graph and replayed from then on. The
+// The decode step's replay cache: a step is captured once into a CUDA/HIP
+// graph and replayed from then on when its operands (addresses and layouts)
+// are new while fewer than four steps are captured, or come back soon
+// (within four other new ones on that GPU) once they are all taken. The
 // sequences' length is the graph's one per-call argument: the graph's first
 // node, the planner, reads it from a device slot and advances it by the
 // slot's step for the next replay (1 while a cache grows a row per call, 0
@@ -50,11 +51,13 @@ using StepEnqueue = std::function<StepOut(int32_t* len_slot)>;
 
 // Runs the step on the current stream of the current device: replays the
 // graph captured for `key` at length `len`, y copied out into a new tensor
-// (ran | kStepGraph); otherwise runs `enqueue` eagerly, and when `key` is
-// among the last kRecent keys seen once on this device (or this is the
-// device's first step), captures the step after those launches (while the
-// GPU runs them) for the next call to replay (ran | kStepCaptured). Always
-// eager while the stream is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
+// (ran | kStepGraph); otherwise runs `enqueue` eagerly and, after those
+// launches (while the GPU runs them), captures the step for the next call to
+// replay (ran | kStepCaptured) when this is the device's first step, when
+// fewer than kMaxGraphs steps are captured, or when `key` is among the last
+// kRecent keys seen on this device and the least recently replayed captured
+// step has not run since that sight (it then makes room). Always eager while
+// the stream is itself capturing or with MLA_DECODE_STEP_GRAPH=0.
 StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue);
 
 // The lean replay (step_fast.cpp): replays, on the current stream of
