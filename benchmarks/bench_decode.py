@@ -97,7 +97,7 @@ class CallProbe:
 
 
 def slowest(st, n=3):
-    """The n slowest timed calls of a harness loop: [(us, note)]."""
+    """The n slowest timed calls of a harness loop: [(index, us, note)]."""
     order = sorted(range(len(st.us)), key=lambda i: -st.us[i])[:n]
     return [(i, st.us[i], st.notes[i]) for i in order]
 

@@ -1,8 +1,8 @@
 """The task harness's timing loops (its eval.py, benchmark and leaderboard
 modes), written for this project: what the judge ranks is the MEAN of these
-calls, first ones included. The order in which it makes and copies tensors
-is its own, since where the caching allocator puts them decides which calls
-find a captured step to replay.
+calls, first ones included. Tensors are made and copied in eval.py's order,
+since where the caching allocator puts them decides which calls find a
+captured step to replay.
 
 - benchmark mode, per shape: fresh inputs, then copies of the cache and of
   four of the five weights (not wo) for the check, one call checked

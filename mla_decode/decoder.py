@@ -18,10 +18,10 @@ other threads are all read as they are now). A call with new operands
 (addresses, layouts, sizes) captures its step as a CUDA graph while fewer
 than four are captured, and later a step whose operands come back soon
 (csrc/api/step_graph.cpp); calls that repeat them replay it: the same work
-without the host's launches. The state kept is bounded: at most four captured steps per
-process, the RoPE table per device (128 bytes per position) and the
-attention's map tables (bounded_maps.cpp, four per process);
-``release_cached()`` drops them all.
+without the host's launches. The state kept is bounded: at most four
+captured steps per process, the RoPE table per device (128 bytes per
+position) and the attention's map tables (bounded_maps.cpp, four per
+process); ``release_cached()`` drops them all.
 
 A call that matches a captured step takes the lean replay first
 (mla_decode._C.fast_step, csrc/api/step_fast.cpp): one C function reads the
@@ -103,8 +103,9 @@ class MLADecoder:
 
     @property
     def last_paths(self):
-        """The last call's paths by stage (down, query, wo, launch), or None
-        after a call on the PyTorch fallback."""
+        """The last call's paths by stage (down, query, wo, launch) and
+        whether it captured its step (captured), or None after a call on the
+        PyTorch fallback."""
         return None if self._ran is None else kernel_choice.describe_step_paths(self._ran)
 
     def __call__(self, config, x, kv_cache):
