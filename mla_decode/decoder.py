@@ -23,12 +23,15 @@ captured steps per process, the RoPE table per device (128 bytes per
 position) and the attention's map tables (bounded_maps.cpp, four per
 process); ``release_cached()`` drops them all.
 
-A call that matches a captured step takes the lean replay first
-(mla_decode._C.fast_step, csrc/api/step_fast.cpp): one C function reads the
-operands' attributes, matches the step and replays it, with no Python frame
-or argument conversion of ours before the launch (the task's harness times
+Every call takes the lean path first (mla_decode._C.fast_step,
+csrc/api/step_fast.cpp): one C function reads the operands' attributes and
+replays the captured step they match, or, where this decoder's checked path
+has registered its choices for these sizes on that GPU, runs the checked
+step (every check, then the launches) itself, with no Python frame or
+argument conversion of ours before the launches (the task's harness times
 each call from an idle GPU, often with the host's caches cold, so this code
-is the call's time); anything else takes the checked path.
+is the call's time); anything else (a first call, inputs the checks
+refuse) takes the checked path in Python.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def release_cached() -> None:
         _rope_tables.clear()
     if _ext.kernels_built():
         _ext.module().release_cached()
+        _ext.module().clear_step_plans()
 
 
 class MLADecoder:
@@ -133,6 +137,8 @@ class MLADecoder:
                 validate(config, x, kv_cache)  # raises in the documented words where the inputs are at fault
                 raise MLAInputError(str(e).split("\n")[0]) from None
             self._ran = ran
+            if _fast_step is not None:  # the lean path runs the checked step itself from now on (these sizes, this GPU)
+                _ext.module().register_step_plan(x.device.index, sizes, x.shape[0], table, want)
         else:
             dims = validate(config, x, kv_cache)
             with torch.no_grad():

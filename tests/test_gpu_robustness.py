@@ -450,10 +450,12 @@ def test_steps_taking_turns_are_captured_only_when_they_come_back_soon():
 
 
 def test_lean_replay_matches_only_a_captured_step():
-    """custom_kernel's lean replay (mla_decode._C.fast_step) replays a
-    captured step whose operands the call repeats, with the call's length,
-    and does nothing (None) for anything else, which the checked path then
-    takes: it raises for a bad length, captures a new step."""
+    """custom_kernel's lean path (mla_decode._C.fast_step) replays a captured
+    step whose operands the call repeats, with the call's length; for new
+    operands at sizes the decoder has run on this GPU it runs the checked
+    step itself; it does nothing (None) for anything else, which the checked
+    path in Python then takes: it raises for a bad length or a refused
+    cache, registers a first call's sizes."""
     if os.environ.get("MLA_DECODE_STEP_GRAPH") == "0":
         pytest.skip("MLA_DECODE_STEP_GRAPH=0: no captured steps")
     fast = mla_decode._ext.module().fast_step
@@ -479,9 +481,25 @@ def test_lean_replay_matches_only_a_captured_step():
         assert fast((config, x, other)) is None, what
         with pytest.raises(mla_decode.MLAInputError):
             dec(config, x, other)
-    other_x = x.clone()  # new operands: no captured step
-    assert fast((config, other_x, kv)) is None
-    assert fast((dataclasses.replace(config, n_heads=config.n_heads + 1), x, kv)) is None
+    assert fast((dataclasses.replace(config, n_heads=config.n_heads + 1), x, kv)) is None  # sizes never run
     assert fast((config, x)) is None and fast(None) is None and fast((config, x.cpu(), kv)) is None
-    assert torch.equal(kv.data, before), "a refused lean replay wrote the cache"
-    mla_decode.release_cached()
+    # a cache the checks refuse (rows not 16-byte aligned): None from the lean path, the error from the checked one
+    wide = torch.zeros(kv.data.shape[0], kv.data.shape[1], kv.data.shape[2] + 8, dtype=kv.data.dtype, device="cuda")
+    misaligned = types.SimpleNamespace(data=wide[:, :, 4:4 + kv.data.shape[2]], seq_len=50)
+    assert fast((config, x, misaligned)) is None and misaligned.seq_len == 50
+    with pytest.raises(mla_decode.MLAInputError):
+        dec(config, x, misaligned)
+    assert torch.equal(kv.data, before), "a refused lean call wrote the cache"
+    assert not wide.any(), "a refused lean call wrote the misaligned cache"
+    # new operands (no captured step) at sizes the decoder has run: the lean path runs the checked step
+    other_x = x.clone().normal_()
+    seq_len = kv.seq_len
+    ref = kv.clone()
+    r = fast((config, other_x, kv))
+    assert r is not None and r[1] is kv.data and kv.seq_len == seq_len + 1
+    assert not r[2] & mla_decode.kernel_choice.STEP_GRAPH
+    y_ref, data_ref = ref_kernel((config, other_x, ref), batch_chunk=8)
+    assert_task_rule(r[0], y_ref, "y of the lean path's checked step")
+    assert_task_rule(r[1], data_ref, "cache of the lean path's checked step")
+    mla_decode.release_cached()  # (forgets the decoder's registered choices too)
+    assert fast((config, x.clone(), kv)) is None
