@@ -112,6 +112,7 @@ PyObject* fast_step(PyObject* /*module*/, PyObject* data) {
   if (!THPVariable_Check(xo)) Py_RETURN_NONE;
   const at::Tensor& x = THPVariable_Unpack(xo);
   if (!x.is_cuda() || x.dim() != 3) Py_RETURN_NONE;
+  StepMarksScope marks;  // (MLA_DECODE_STEP_GRAPH_TRACE=2)
   Refs refs;
   PyObject*& cache_o = refs.p[0];
   cache_o = attr(kv, 0);
@@ -142,6 +143,7 @@ PyObject* fast_step(PyObject* /*module*/, PyObject* data) {
     const StepKey key = step_key_prefix(x, {w[0], w[1], w[2], w[3], w[4]}, cache, c10::ArrayRef<int64_t>(cfg, kDims));
     c10::cuda::CUDAGuard guard(x.device());
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // (as decode_step: y is a plain tensor)
+    step_mark("operands");
     if (!replay_captured(key, static_cast<int32_t>(pos + 1), &out)) {
       at::Tensor table;
       int64_t want = 0;

@@ -94,15 +94,7 @@ bool graphs_off() {
   return off;
 }
 
-// MLA_DECODE_STEP_GRAPH_TRACE=1: one line on stderr per capture with its
-// host time by phase (a diagnostic of the calls that capture).
-bool trace_captures() {
-  static const bool on = [] {
-    const char* v = std::getenv("MLA_DECODE_STEP_GRAPH_TRACE");
-    return v != nullptr && *v != '\0' && std::string(v) != "0";
-  }();
-  return on;
-}
+bool trace_captures() { return step_trace_level() >= 1; }
 
 using Clock = std::chrono::steady_clock;
 double us_between(Clock::time_point a, Clock::time_point b) {
@@ -112,6 +104,17 @@ double us_between(Clock::time_point a, Clock::time_point b) {
 struct CaptureMarks {
   Clock::time_point begun, enqueued, ended;
 };
+
+// one call's marks (step_mark), per thread
+struct CallMarks {
+  static constexpr int kMax = 32;
+  bool open = false;
+  int n = 0;
+  Clock::time_point t0;
+  const char* what[kMax];
+  Clock::time_point at[kMax];
+};
+thread_local CallMarks call_marks;
 
 DeviceState& device_state(int device) {
   if (device >= static_cast<int>(devices.size())) devices.resize(device + 1);
@@ -194,6 +197,41 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
 }
 
 }  // namespace
+
+int step_trace_level() {
+  static const int level = env_int("MLA_DECODE_STEP_GRAPH_TRACE");
+  return level;
+}
+
+bool step_marks_begin() {
+  if (step_trace_level() < 2 || call_marks.open) return false;
+  call_marks.open = true;
+  call_marks.n = 0;
+  call_marks.t0 = Clock::now();
+  return true;
+}
+
+void step_marks_close() { call_marks.open = false; }
+
+void step_mark(const char* what) {
+  CallMarks& m = call_marks;
+  if (!m.open || m.n >= CallMarks::kMax) return;
+  m.what[m.n] = what;
+  m.at[m.n++] = Clock::now();
+}
+
+void step_marks_print(int device, int64_t ran) {
+  const CallMarks& m = call_marks;
+  if (!m.open || (ran & kStepGraph)) return;  // (replays: no launches of their own to mark)
+  std::string line = "mla_decode step on cuda:" + std::to_string(device) +
+                     ((ran & kStepCaptured) ? " (eager, then captured)" : " (eager)") + ", host us from entry:";
+  char buf[64];
+  for (int i = 0; i < m.n; ++i) {
+    std::snprintf(buf, sizeof(buf), " %s %.1f%s", m.what[i], us_between(m.t0, m.at[i]), i + 1 < m.n ? "," : "");
+    line += buf;
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
+}
 
 StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
   const stream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(key.device)).stream();

@@ -71,4 +71,26 @@ bool replay_captured(const StepKey& prefix, int32_t len, StepOut* out);
 // Drops every captured step (after their last replays have finished).
 void release_step_graphs();
 
+// Diagnostics on stderr, MLA_DECODE_STEP_GRAPH_TRACE: 1, one line per
+// capture with its host time by phase; 2, also one line per eager step with
+// the host time from the call's entry (fast_step's or decode_step's) to each
+// of its marks (the checks, each launch). A StepMarksScope opens a call's
+// marks where none are open on this thread (nothing below level 2) and
+// closes them when it ends; step_mark notes one; step_marks_print prints an
+// eager step's.
+int step_trace_level();
+bool step_marks_begin();
+void step_marks_close();
+void step_mark(const char* what);
+void step_marks_print(int device, int64_t ran);
+struct StepMarksScope {
+  bool opened;
+  StepMarksScope() : opened(step_marks_begin()) {}
+  ~StepMarksScope() {
+    if (opened) step_marks_close();
+  }
+  StepMarksScope(const StepMarksScope&) = delete;
+  StepMarksScope& operator=(const StepMarksScope&) = delete;
+};
+
 }  // namespace mla::api
