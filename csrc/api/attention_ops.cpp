@@ -72,17 +72,13 @@ struct Planned {
   int64_t max_parts;
 };
 
-// A plan tensor for these lengths (plan.h) and the planner's parameters
-// that fill it; nothing launched.
-std::pair<at::Tensor, PlanParams> new_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity,
-                                           const DeviceAttnInfo& info, bool split) {
-  const int64_t bs = seqlens.size(0);
+// The planner's parameters for bs sequences (plan.h), pointers unset, and
+// the plan's size in int32 elements; nothing allocated or launched.
+PlanParams plan_params(int64_t bs, int64_t s_q, int64_t h_q, int64_t capacity, const DeviceAttnInfo& info, bool split,
+                       int64_t* plan_elems) {
   const auto [target_parts, max_parts] = plan_parts(bs, s_q, h_q, info, split);
-  at::Tensor plan = at::empty({plan_size(static_cast<int>(bs), static_cast<int>(max_parts))},
-                              seqlens.options().dtype(at::kInt));
+  *plan_elems = plan_size(static_cast<int>(bs), static_cast<int>(max_parts));
   PlanParams pp{};
-  pp.seqlens = seqlens.data_ptr<int32_t>();
-  pp.plan = plan.data_ptr<int32_t>();
   pp.bs = static_cast<int>(bs);
   pp.max_parts = static_cast<int>(max_parts);
   pp.target_parts = static_cast<int>(target_parts);
@@ -92,6 +88,18 @@ std::pair<at::Tensor, PlanParams> new_plan(const at::Tensor& seqlens, int64_t s_
   static const bool p0_only = env_is("MLA_DECODE_PLAN_P0", "1");
   pp.p0_only = p0_only ? 1 : 0;
   pp.no_split = split ? 0 : 1;
+  return pp;
+}
+
+// A plan tensor for these lengths (plan.h) and the planner's parameters
+// that fill it; nothing launched.
+std::pair<at::Tensor, PlanParams> new_plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity,
+                                           const DeviceAttnInfo& info, bool split) {
+  int64_t elems = 0;
+  PlanParams pp = plan_params(seqlens.size(0), s_q, h_q, capacity, info, split, &elems);
+  at::Tensor plan = at::empty({elems}, seqlens.options().dtype(at::kInt));
+  pp.seqlens = seqlens.data_ptr<int32_t>();
+  pp.plan = plan.data_ptr<int32_t>();
   return {plan, pp};
 }
 
@@ -119,11 +127,9 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
   return make_plan(seqlens, s_q, h_q, capacity, info, at::cuda::getCurrentCUDAStream().stream(), split).plan;
 }
 
-std::pair<at::Tensor, PlanParams> step_plan(const at::Tensor& lens, int64_t h_q, int64_t capacity, bool split) {
-  auto planned = new_plan(lens, 1, h_q, capacity,
-                          device_attn_info(lens.device().index(), detail::kDv, detail::kRope, true), split);
-  planned.second.fill_lens = lens.data_ptr<int32_t>();
-  return planned;
+PlanParams step_plan_params(int device, int64_t bs, int64_t h_q, int64_t capacity, bool split, int64_t* plan_elems) {
+  return plan_params(bs, 1, h_q, capacity, device_attn_info(device, detail::kDv, detail::kRope, true), split,
+                     plan_elems);
 }
 
 namespace {

@@ -52,13 +52,14 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
 // reaches it (mla_decode.splits_possible).
 int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
 
-// The decode step's split plan (step.cpp): for lens.size(0) sequences of one
-// length, s_q 1 and h_q heads, with the step's attention (dv 512, the keys'
-// RoPE on the fly) on lens's device: the plan tensor and the planner's
-// parameters with fill_lens = lens, so that one launch_plan (after setting
-// fill_len) writes both the lengths and the plan that attention_out then
+// The decode step's split plan (step.cpp): the planner's parameters for bs
+// sequences of one length, s_q 1 and h_q heads, with the step's attention
+// (dv 512, the keys' RoPE on the fly) on `device`, and the plan's size in
+// int32 elements (*plan_elems). The caller sets seqlens = fill_lens (the
+// lengths' buffer), plan (the plan's) and fill_len or len_slot, so that one
+// launch_plan writes both the lengths and the plan that attention_out then
 // takes as `plan`.
-std::pair<at::Tensor, PlanParams> step_plan(const at::Tensor& lens, int64_t h_q, int64_t capacity, bool split);
+PlanParams step_plan_params(int device, int64_t bs, int64_t h_q, int64_t capacity, bool split, int64_t* plan_elems);
 
 // Register the layout of a contiguous cache kv [bs, max_seq_len, d] (and of
 // its separate rope rows kpe, if any) for the Hopper attention: a table of

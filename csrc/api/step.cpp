@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
@@ -44,41 +45,82 @@ void check_input(const at::Tensor& t, const char* name, const at::Device& dev, c
   }
 }
 
+// A tensor on `base`'s storage, `byte_off` bytes from base's first element,
+// with these sizes, strides and dtype, made directly (no dispatcher, no
+// allocator): a view, as narrow/view/transpose would make it, for the cost
+// of one TensorImpl. The step's eager calls made a dozen views and
+// allocations before the attention's launch, each several microseconds
+// when the host runs cold (the task's fresh-input calls).
+at::Tensor carve(const at::Tensor& base, int64_t byte_off, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                 at::ScalarType dt) {
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dt));
+  const int64_t off = base.storage_offset() * static_cast<int64_t>(base.element_size()) + byte_off;
+  TORCH_INTERNAL_ASSERT(off % item == 0, "carve: misaligned view");
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                          c10::scalarTypeToTypeMeta(dt));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, off / item);
+  return t;
+}
+
+// Byte offsets of the step's intermediates in its one workspace (256-byte
+// aligned slots).
+struct Slots {
+  int64_t bytes = 0;
+  int64_t add(int64_t n) {
+    const int64_t at = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return at;
+  }
+};
+
 // The stages on the current stream (the operands checked by decode_step).
+// Every intermediate is a slot of one workspace from the caching allocator
+// (stream-ordered as any allocation; a captured step's comes from the
+// graph's pool), y a tensor of its own.
 StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd, const at::Tensor& w_qu,
                      const at::Tensor& w_kvu, const at::Tensor& w_o, const at::Tensor& cache, const at::Tensor& rope_cs,
                      const std::vector<int64_t>& cfg, int64_t pos, int64_t want, int32_t* len_slot) {
+  step_mark("enqueue");
   const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
-  const int64_t bs = x.size(0);
-  const at::Device dev = x.device();
-  const auto opts = x.options();
-  const at::Tensor x2 = x.view({bs, dim});
-  const at::Tensor w_kv3 = w_kvu.view({H, nope + v, r});
-  const at::Tensor w_uk = w_kv3.narrow(1, 0, nope);               // [H, nope, r]
-  const at::Tensor w_uv_t = w_kv3.narrow(1, nope, v).transpose(1, 2);  // [H, r, v]
+  const int64_t bs = x.size(0), d = r + rope;
+  const int device = x.get_device();
+  constexpr auto bf16 = at::kBFloat16;
+  const stream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 
-  // ---- 0. every sequence's length (pos + 1, or a captured step's *len_slot)
-  // and the attention's split plan, one planner launch ahead of the
-  // projections (none of which it waits for)
-  const stream_t stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
-  const at::Tensor seqlens = at::empty({bs}, opts.dtype(at::kInt));
-  // one part per sequence (no combine) where the planner could not split a batch of one length anyway
-  const bool split = bs < plan_target_parts(dev.index(), 1, H);
-  auto [plan, pp] = step_plan(seqlens, H, cache.size(1), split);
-  pp.fill_len = static_cast<int32_t>(pos + 1);
+  // ---- the workspace: every sequence's length and the attention's split
+  // plan (one sequence one part, no combine, where the planner could not
+  // split a batch of one length anyway), q_lora and the new latent row, the
+  // query, the attention's output and LSE, the per-head W_UV output
+  const bool split = bs < plan_target_parts(device, 1, H);
+  int64_t plan_elems = 0;
+  PlanParams pp = step_plan_params(device, bs, H, cache.size(1), split, &plan_elems);
+  Slots sl;
+  const int64_t s_lens = sl.add(bs * 4), s_plan = sl.add(plan_elems * 4), s_qlora = sl.add(bs * q_lora * 2),
+                s_kvnew = sl.add(bs * d * 2), s_q = sl.add(H * bs * d * 2), s_olat = sl.add(bs * H * r * 2),
+                s_lse = sl.add(bs * H * 4), s_obuf = sl.add(bs * H * v * 2);
+  const at::Tensor ws = at::empty({sl.bytes}, x.options().dtype(at::kByte));
+  const at::Tensor seqlens = carve(ws, s_lens, {bs}, {1}, at::kInt);
+  const at::Tensor plan = carve(ws, s_plan, {plan_elems}, {1}, at::kInt);
+  pp.seqlens = pp.fill_lens = seqlens.data_ptr<int32_t>();
+  pp.plan = plan.data_ptr<int32_t>();
+  pp.fill_len = static_cast<int32_t>(pos + 1);  // (a captured step reads it from *len_slot)
   pp.len_slot = len_slot;
+  step_mark("plan_prep");
   check_launch(launch_plan(pp, stream), "decode step lengths and plan");
+  step_mark("plan");
 
   // ---- 1-2. down-projections: q_lora and the new latent row (the host
   // prepares the rest while they run)
   int64_t ran = 0;
-  at::Tensor q_lora_t = at::empty({bs, q_lora}, opts);
-  at::Tensor kv_new = at::empty({bs, r + rope}, opts);
+  const at::Tensor x2 = carve(x, 0, {bs, dim}, {dim, 1}, bf16);
+  at::Tensor q_lora_t = carve(ws, s_qlora, {bs, q_lora}, {q_lora, 1}, bf16);
+  at::Tensor kv_new = carve(ws, s_kvnew, {bs, d}, {d, 1}, bf16);
   bool own_down = false;
   if ((want & kStepDownOwn) && bs <= 256 && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
     GemmConfig c{};
     const GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
     if (gemm_sm90_config(p, &c) == nullptr) {
+      step_mark("down_prep");
       run_gemm(p, x2);
       own_down = true;
       ran |= kStepDownOwn;
@@ -88,10 +130,12 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
     at::mm_out(q_lora_t, x2, w_qd.t());
     at::mm_out(kv_new, x2, w_kvd.t());
   }
+  step_mark("down");
   // ---- 3-4. query: up-projection, W_UK absorption, RoPE of q_pe, the cache append
-  at::Tensor qbuf = at::empty({H, bs, r + rope}, opts);  // the attention's query, head-major
-  at::Tensor q_abs = qbuf.narrow(2, 0, r);
-  at::Tensor q_rot = qbuf.narrow(2, r, rope).transpose(0, 1);  // [bs, H, rope]: q_pe rotated
+  // (the attention's query, head-major [H, bs, d]: q_abs its first r columns, q_rot [bs, H, rope] the rest rotated)
+  const at::Tensor w_uk = carve(w_kvu, 0, {H, nope, r}, {(nope + v) * r, r, 1}, bf16);
+  at::Tensor q_abs = carve(ws, s_q, {H, bs, r}, {bs * d, d, 1}, bf16);
+  at::Tensor q_rot = carve(ws, s_q + r * 2, {bs, H, rope}, {d, bs * d, 1}, bf16);
   c10::optional<QueryParams> query;
   if (want & kStepQueryFused) {
     QueryParams p = query_params(q_lora_t, w_qu, w_uk, q_abs, q_rot, true, kv_new, seqlens, rope_cs, cache,
@@ -102,30 +146,37 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
     check_launch(launch_query_sm90(*query, stream), "fused query launch");
     ran |= kStepQueryFused;
   } else {
-    at::Tensor q = at::empty({bs, H, nope + rope}, opts);
+    at::Tensor q = at::empty({bs, H, nope + rope}, x.options());
     at::Tensor q2 = q.view({bs, H * (nope + rope)});
     at::mm_out(q2, q_lora_t, w_qu.t());
     at::bmm_out(q_abs, q.narrow(2, 0, nope).transpose(0, 1), w_uk);
     rope_append(q.narrow(2, nope, rope), kv_new, seqlens, rope_cs, q_rot, const_cast<at::Tensor&>(cache),
                 c10::nullopt);
   }
+  step_mark("query");
   // ---- 5. attention over the cache, the keys rotated on the fly, with the plan made at step 0
   attention_bounded_register(cache, c10::nullopt, r);  // (once per cache layout; see bounded_maps.cpp)
-  at::Tensor o_lat = at::empty({bs, 1, H, r}, opts);
-  at::Tensor lse = at::empty({bs, H, 1}, opts.dtype(at::kFloat));
-  attention_out_fresh_plan(qbuf.transpose(0, 1).unsqueeze(1), cache, seqlens, rope_cs,
-                           1.0 / std::sqrt(static_cast<double>(nope + rope)), o_lat, lse, r, plan, split);
-  // ---- 6. W_UV per head, then wo
-  at::Tensor obuf = at::empty({bs, H, v}, opts);
-  at::Tensor obuf_t = obuf.transpose(0, 1);
-  at::bmm_out(obuf_t, o_lat.view({bs, H, r}).transpose(0, 1), w_uv_t);
-  at::Tensor y = at::empty({bs, 1, dim}, opts);
-  at::Tensor y2 = y.view({bs, dim});
-  const at::Tensor o2 = obuf.view({bs, H * v});
+  step_mark("maps");
+  const at::Tensor q_att = carve(ws, s_q, {bs, 1, H, d}, {d, H * bs * d, bs * d, 1}, bf16);
+  at::Tensor o_lat = carve(ws, s_olat, {bs, 1, H, r}, {H * r, H * r, r, 1}, bf16);
+  at::Tensor lse = carve(ws, s_lse, {bs, H, 1}, {H, 1, 1}, at::kFloat);
+  attention_out_fresh_plan(q_att, cache, seqlens, rope_cs, 1.0 / std::sqrt(static_cast<double>(nope + rope)), o_lat,
+                           lse, r, plan, split);
+  step_mark("attention");
+  // ---- 6. W_UV per head ([H, bs, r] x [H, r, v] into obuf [bs, H, v] seen head-major), then wo
+  at::Tensor obuf_t = carve(ws, s_obuf, {H, bs, v}, {v, H * v, 1}, bf16);
+  const at::Tensor o_heads = carve(ws, s_olat, {H, bs, r}, {r, H * r, 1}, bf16);
+  const at::Tensor w_uv_t = carve(w_kvu, nope * r * 2, {H, r, v}, {(nope + v) * r, 1, r}, bf16);
+  at::bmm_out(obuf_t, o_heads, w_uv_t);
+  step_mark("w_uv");
+  at::Tensor y = at::empty({bs, 1, dim}, x.options());
+  at::Tensor y2 = carve(y, 0, {bs, dim}, {dim, 1}, bf16);
+  const at::Tensor o2 = carve(ws, s_obuf, {bs, H * v}, {H * v, 1}, bf16);
   if ((want & kStepWoLt) && gemm_nt_lt(o2, w_o, y2))
     ran |= kStepWoLt;
   else
     at::mm_out(y2, o2, w_o.t());
+  step_mark("wo");
   StepOut out;
   out.y = y;
   out.ran = ran;
@@ -138,6 +189,7 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
                                             const at::Tensor& w_qu, const at::Tensor& w_kvu, const at::Tensor& w_o,
                                             const at::Tensor& cache, int64_t pos, const std::vector<int64_t>& cfg,
                                             const at::Tensor& rope_cs, int64_t want) {
+  StepMarksScope marks;  // (MLA_DECODE_STEP_GRAPH_TRACE=2)
   // ---- checks, in the order device, dtype, layout, shape; nothing is written before they pass
   if (cfg.size() != 7) fail_value("decode_step: cfg must be [dim, heads, q_lora, kv_lora, nope, rope, v]");
   const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
@@ -176,6 +228,7 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
     fail_value("decode_step: rope_cs must be a contiguous bf16 [>= max_seq_len, rope] table on " + dev.str() +
                ", got " + shape_str(rope_cs));
 
+  step_mark("checks");
   c10::cuda::CUDAGuard guard(dev);
   // no autograd on the way (weights may be nn.Parameters): outputs are plain
   // tensors (inference tensors under torch.inference_mode, as any op's)
@@ -185,9 +238,11 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
   StepKey key = step_key_prefix(x, {&w_qd, &w_kvd, &w_qu, &w_kvu, &w_o}, cache, cfg);
   key.add(rope_cs);
   key.add(want);
+  step_mark("key");
   const StepOut out = run_step(key, static_cast<int32_t>(pos + 1), [&](int32_t* len_slot) -> StepOut {
     return enqueue_step(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, rope_cs, cfg, pos, want, len_slot);
   });
+  step_marks_print(dev.index(), out.ran);
   return {out.y, out.ran};
 }
 

@@ -19,6 +19,7 @@
 // With pdl, the weights of the first `stages` k blocks are requested before
 // griddepcontrol.wait: they do not depend on the previous kernel, x does.
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -370,6 +371,25 @@ const char* plan(const GemmParams& p, Plan* out) {
   }
   int sms = 0, smem_max = 0;
   if (!sm90_device_limits(&sms, &smem_max)) return "gemm_sm90: cannot query the device";
+  // the choice depends on the device and the sizes alone: made once per
+  // device and sizes (the search below asks the occupancy calculator per
+  // candidate: tens of microseconds on a cold host, on every launch)
+  static std::mutex memo_mu;
+  static std::map<std::array<int, 7>, Plan> memo;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "gemm_sm90: cannot query the device";
+  }
+  const std::array<int, 7> memo_key{dev, p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg == 2 ? p.seg[1].n : 0};
+  {
+    std::lock_guard<std::mutex> lock(memo_mu);
+    auto it = memo.find(memo_key);
+    if (it != memo.end()) {
+      *out = it->second;
+      return nullptr;
+    }
+  }
   const int bm = p.m <= 64 ? 64 : p.m <= 128 ? 128 : 256;
   const int kt = (p.k + 63) / 64;
   // measurement switches (benchmarks; unset in normal use): force the tile
@@ -417,6 +437,8 @@ const char* plan(const GemmParams& p, Plan* out) {
     }
   }
   if (best < 0) return "gemm_sm90: no configuration fits this device's shared memory";
+  std::lock_guard<std::mutex> lock(memo_mu);
+  memo.emplace(memo_key, *out);
   return nullptr;
 }
 
