@@ -8,6 +8,7 @@
 // read as they are now. Which kernel runs each product is the caller's
 // choice (mla_decode/kernel_choice.py, `want`), taken where the operands
 // allow it; the return value says what ran.
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
@@ -19,7 +20,12 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#if !defined(USE_ROCM)
+#include <cublas_v2.h>
+#endif
 
 #include "blas_lt.h"
 #include "checks.h"
@@ -31,13 +37,14 @@
 namespace mla::api {
 namespace {
 
-void check_input(const at::Tensor& t, const char* name, const at::Device& dev, const std::vector<int64_t>& shape,
-                 const std::string& shape_text, bool contiguous) {
+void check_input(const at::Tensor& t, const char* name, const at::Device& dev, c10::IntArrayRef shape,
+                 const char* shape_text, bool contiguous) {
   if (t.device() != dev) fail_value(std::string(name) + " must be on " + dev.str() + " (where x is), got " + t.device().str());
   check_dtype(t, name, at::kBFloat16);
   bool ok = t.dim() == static_cast<int64_t>(shape.size());
   for (size_t i = 0; ok && i < shape.size(); ++i) ok = t.size(i) == shape[i];
-  if (!ok) fail_value(std::string(name) + " must have shape " + shape_text + " = " + list_str(shape) + ", got " + shape_str(t));
+  if (!ok)
+    fail_value(std::string(name) + " must have shape " + shape_text + " = " + list_str(shape) + ", got " + shape_str(t));
   if (contiguous) {
     if (!t.is_contiguous()) fail_value(std::string(name) + " must be contiguous, got strides " + list_str(t.strides()));
   } else {
@@ -73,6 +80,50 @@ struct Slots {
   }
 };
 
+// obuf[b, h, :] = o_lat[b, h, :] W_UV[h] for every head (the slots of `ws`
+// at byte offsets s_olat, s_obuf; W_UV[h] = w_kvu[h, nope:, :] transposed):
+// on NVIDIA the strided-batched cuBLAS call that at::bmm_out makes for these
+// operands, made directly (ATen's way there cost 90 us on a cold host),
+// with ATen's BLAS handle (its stream and workspace) and ATen's setting of
+// bf16 reduced-precision reductions; elsewhere at::bmm_out.
+// torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction: a bool
+// in older PyTorch, an option (0: allowed) in newer.
+template <typename Option>
+bool bf16_reduced_allowed(Option o) {
+  if constexpr (std::is_same_v<Option, bool>)
+    return o;
+  else
+    return static_cast<int>(o) == 0;
+}
+
+void w_uv(const at::Tensor& ws, int64_t s_olat, int64_t s_obuf, const at::Tensor& w_kvu, int64_t bs, int64_t H,
+          int64_t r, int64_t nope, int64_t v) {
+#if !defined(USE_ROCM)
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const bool reduced = bf16_reduced_allowed(at::globalContext().allowBF16ReductionCuBLAS());
+  cublasMath_t mode = CUBLAS_DEFAULT_MATH;
+  if (!reduced) {
+    if (cublasGetMathMode(handle, &mode) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetMathMode(handle, static_cast<cublasMath_t>(mode | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)) !=
+            CUBLAS_STATUS_SUCCESS)
+      fail("W_UV: cublasSetMathMode failed");
+  }
+  const float one = 1.f, zero = 0.f;
+  const auto* base = static_cast<const uint8_t*>(ws.data_ptr());
+  const cublasStatus_t st = cublasGemmStridedBatchedEx(
+      handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(v), static_cast<int>(bs), static_cast<int>(r), &one,
+      static_cast<const uint8_t*>(w_kvu.data_ptr()) + nope * r * 2, CUDA_R_16BF, static_cast<int>(r), (nope + v) * r,
+      base + s_olat, CUDA_R_16BF, static_cast<int>(H * r), r, &zero, const_cast<uint8_t*>(base) + s_obuf, CUDA_R_16BF,
+      static_cast<int>(H * v), v, static_cast<int>(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+  if (!reduced) (void)cublasSetMathMode(handle, mode);
+  if (st != CUBLAS_STATUS_SUCCESS) fail("W_UV: cublasGemmStridedBatchedEx failed: status " + num(int64_t{st}));
+#else
+  at::Tensor obuf_t = carve(ws, s_obuf, {H, bs, v}, {v, H * v, 1}, at::kBFloat16);
+  at::bmm_out(obuf_t, carve(ws, s_olat, {H, bs, r}, {r, H * r, 1}, at::kBFloat16),
+              carve(w_kvu, nope * r * 2, {H, r, v}, {(nope + v) * r, 1, r}, at::kBFloat16));
+#endif
+}
+
 // The stages on the current stream (the operands checked by decode_step).
 // Every intermediate is a slot of one workspace from the caching allocator
 // (stream-ordered as any allocation; a captured step's comes from the
@@ -94,7 +145,13 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   const bool split = bs < plan_target_parts(device, 1, H);
   int64_t plan_elems = 0;
   PlanParams pp = step_plan_params(device, bs, H, cache.size(1), split, &plan_elems);
+  // the down-projections' GEMM for these sizes (its split-K partials a slot too)
+  GemmConfig down{};
+  const bool down_sizes_ok = (want & kStepDownOwn) && bs <= 256 &&
+                             gemm_sm90_config_for(static_cast<int>(bs), static_cast<int>(dim), 1,
+                                                  static_cast<int>(q_lora), static_cast<int>(d), &down) == nullptr;
   Slots sl;
+  const int64_t s_down = sl.add(down_sizes_ok ? down.ws_bytes : 0);
   const int64_t s_lens = sl.add(bs * 4), s_plan = sl.add(plan_elems * 4), s_qlora = sl.add(bs * q_lora * 2),
                 s_kvnew = sl.add(bs * d * 2), s_q = sl.add(H * bs * d * 2), s_olat = sl.add(bs * H * r * 2),
                 s_lse = sl.add(bs * H * 4), s_obuf = sl.add(bs * H * v * 2);
@@ -116,12 +173,14 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   at::Tensor q_lora_t = carve(ws, s_qlora, {bs, q_lora}, {q_lora, 1}, bf16);
   at::Tensor kv_new = carve(ws, s_kvnew, {bs, d}, {d, 1}, bf16);
   bool own_down = false;
-  if ((want & kStepDownOwn) && bs <= 256 && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
+  if (down_sizes_ok && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
     GemmConfig c{};
-    const GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
-    if (gemm_sm90_config(p, &c) == nullptr) {
+    GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
+    if (gemm_sm90_config(p, &c) == nullptr) {  // (the operands' alignment; the choice is down's)
+      p.ws = reinterpret_cast<float*>(static_cast<uint8_t*>(ws.data_ptr()) + s_down);
+      p.ws_bytes = down.ws_bytes;
       step_mark("down_prep");
-      run_gemm(p, x2);
+      check_launch(launch_gemm_sm90(p, c, stream), "down-projection launch");
       own_down = true;
       ran |= kStepDownOwn;
     }
@@ -164,10 +223,7 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
                            lse, r, plan, split);
   step_mark("attention");
   // ---- 6. W_UV per head ([H, bs, r] x [H, r, v] into obuf [bs, H, v] seen head-major), then wo
-  at::Tensor obuf_t = carve(ws, s_obuf, {H, bs, v}, {v, H * v, 1}, bf16);
-  const at::Tensor o_heads = carve(ws, s_olat, {H, bs, r}, {r, H * r, 1}, bf16);
-  const at::Tensor w_uv_t = carve(w_kvu, nope * r * 2, {H, r, v}, {(nope + v) * r, 1, r}, bf16);
-  at::bmm_out(obuf_t, o_heads, w_uv_t);
+  w_uv(ws, s_olat, s_obuf, w_kvu, bs, H, r, nope, v);
   step_mark("w_uv");
   at::Tensor y = at::empty({bs, 1, dim}, x.options());
   at::Tensor y2 = carve(y, 0, {bs, dim}, {dim, 1}, bf16);

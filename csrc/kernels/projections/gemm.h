@@ -56,6 +56,10 @@ bool sm90_device_limits(int* sms, int* smem_max);
 
 // nullptr when the Hopper kernel takes these sizes (else why not); fills cfg.
 const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg);
+// The same for sizes alone (m rows of x, k, batch, weights of n0 and n1 rows,
+// n1 0 for one weight; alignment not checked): what gemm_sm90_config gives
+// any aligned operands of these sizes (made once per device and sizes).
+const char* gemm_sm90_config_for(int m, int k, int batch, int n0, int n1, GemmConfig* cfg);
 // Launches with cfg as gemm_sm90_config filled it for p (planned once per
 // call: the caller sizes the workspace from it).
 const char* launch_gemm_sm90(const GemmParams& p, const GemmConfig& cfg, stream_t stream);

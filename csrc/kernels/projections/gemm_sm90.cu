@@ -353,21 +353,33 @@ struct Plan {
   int tiles0;
 };
 
+const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* out);
+
 const char* plan(const GemmParams& p, Plan* out) {
-  if (p.m < 1 || p.m > 256) return "gemm_sm90: x must have 1 to 256 rows";
-  if (p.k < 1 || p.batch < 1 || p.batch > 65535) return "gemm_sm90: k >= 1 and batch in [1, 65535] required";
   if (p.nseg < 1 || p.nseg > 2) return "gemm_sm90: one or two weights";
+  if (const char* e = plan_sizes(p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg == 2 ? p.seg[1].n : 0, out)) return e;
   if (!aligned16(p.x, p.x_row_stride, p.x_batch_stride))
     return "gemm_sm90: x needs a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
-  bool wide = true;
   for (int i = 0; i < p.nseg; ++i) {
     const GemmSeg& s = p.seg[i];
-    if (s.n < 64 || s.n % 8 != 0) return "gemm_sm90: every weight needs a multiple of 8 rows, at least 64";
     if (!aligned16(s.w, s.w_row_stride, s.w_batch_stride))
       return "gemm_sm90: weights need a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
     if (!aligned16(s.y, s.y_row_stride, s.y_batch_stride) || (s.row_pos != nullptr && s.y_pos_stride % 8 != 0))
       return "gemm_sm90: outputs need a 16-byte aligned base and strides that are multiples of 8 elements";
-    if (s.n < 256) wide = false;
+  }
+  return nullptr;
+}
+
+// The sizes' part of plan() (the alignment checked there).
+const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* out) {
+  if (m < 1 || m > 256) return "gemm_sm90: x must have 1 to 256 rows";
+  if (k < 1 || batch < 1 || batch > 65535) return "gemm_sm90: k >= 1 and batch in [1, 65535] required";
+  if (nseg < 1 || nseg > 2) return "gemm_sm90: one or two weights";
+  const int ns[2] = {n0, n1};
+  bool wide = true;
+  for (int i = 0; i < nseg; ++i) {
+    if (ns[i] < 64 || ns[i] % 8 != 0) return "gemm_sm90: every weight needs a multiple of 8 rows, at least 64";
+    if (ns[i] < 256) wide = false;
   }
   int sms = 0, smem_max = 0;
   if (!sm90_device_limits(&sms, &smem_max)) return "gemm_sm90: cannot query the device";
@@ -381,7 +393,7 @@ const char* plan(const GemmParams& p, Plan* out) {
     (void)cudaGetLastError();
     return "gemm_sm90: cannot query the device";
   }
-  const std::array<int, 7> memo_key{dev, p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg == 2 ? p.seg[1].n : 0};
+  const std::array<int, 7> memo_key{dev, m, k, batch, nseg, n0, nseg == 2 ? n1 : 0};
   {
     std::lock_guard<std::mutex> lock(memo_mu);
     auto it = memo.find(memo_key);
@@ -390,8 +402,8 @@ const char* plan(const GemmParams& p, Plan* out) {
       return nullptr;
     }
   }
-  const int bm = p.m <= 64 ? 64 : p.m <= 128 ? 128 : 256;
-  const int kt = (p.k + 63) / 64;
+  const int bm = m <= 64 ? 64 : m <= 128 ? 128 : 256;
+  const int kt = (k + 63) / 64;
   // measurement switches (benchmarks; unset in normal use): force the tile
   // width (MLA_DECODE_GEMM_MW = 1 or 2), the split count and the load group
   static const int force_mw = env_int("MLA_DECODE_GEMM_MW"), force_s = env_int("MLA_DECODE_GEMM_SPLITS");
@@ -410,10 +422,10 @@ const char* plan(const GemmParams& p, Plan* out) {
     const int smem = 1024 + region + 2 * stages * 8;
     if (smem > smem_max) continue;
     const int bn = 128 * mw;
-    int tiles0 = (p.seg[0].n + bn - 1) / bn, tiles = tiles0;
-    if (p.nseg == 2) tiles += (p.seg[1].n + bn - 1) / bn;
-    const int64_t units = static_cast<int64_t>(tiles) * p.batch;
-    if (units > 65535 * static_cast<int64_t>(p.batch)) return "gemm_sm90: too many tiles";
+    int tiles0 = (n0 + bn - 1) / bn, tiles = tiles0;
+    if (nseg == 2) tiles += (n1 + bn - 1) / bn;
+    const int64_t units = static_cast<int64_t>(tiles) * batch;
+    if (units > 65535 * static_cast<int64_t>(batch)) return "gemm_sm90: too many tiles";
     for (int s = 1; s <= std::min(kMaxSplits, kt); ++s) {
       if (force_s > 0 && s != force_s) continue;
       if (force_s <= 0 && s > 1 && units * s > 2 * static_cast<int64_t>(sms)) break;
@@ -473,6 +485,13 @@ bool sm90_device_limits(int* sms, int* smem_max) {
   return true;
 }
 
+const char* gemm_sm90_config_for(int m, int k, int batch, int n0, int n1, GemmConfig* cfg) {
+  Plan pl{};
+  if (const char* e = plan_sizes(m, k, batch, n1 > 0 ? 2 : 1, n0, n1, &pl)) return e;
+  *cfg = pl.cfg;
+  return nullptr;
+}
+
 const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg) {
   Plan pl{};
   if (const char* e = plan(p, &pl)) return e;
@@ -505,6 +524,7 @@ const char* launch_gemm_sm90(const GemmParams& p, const GemmConfig& c, stream_t 
 #else  // AMD: the projections use the vendor BLAS there
 
 const char* gemm_sm90_config(const GemmParams&, GemmConfig*) { return "the sm90 GEMM is NVIDIA-only"; }
+const char* gemm_sm90_config_for(int, int, int, int, int, GemmConfig*) { return "the sm90 GEMM is NVIDIA-only"; }
 const char* launch_gemm_sm90(const GemmParams&, const GemmConfig&, stream_t) { return "the sm90 GEMM is NVIDIA-only"; }
 
 #endif
