@@ -321,8 +321,10 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   if (plan_in.has_value() && !plan_fresh) {
     ap.live_lens = true;
     if (info.kind == AttnKernel::kHopper) {
-      counter = at::zeros({2}, plan.options());
+      counter = at::empty({2}, plan.options());
       ap.counter = counter.data_ptr<int32_t>();
+      // (zeroed by a programmatic dependent: at::zeros's fill kernel held the attention's launch back)
+      check_launch(launch_zero_pair(ap.counter, sm90_pdl_enabled(), stream), "work counter");
     }
   }
   ap.q_row_stride = q.stride(2);

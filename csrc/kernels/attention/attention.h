@@ -33,6 +33,10 @@ const char* launch_attention_portable(const AttnParams& p, stream_t stream);
 // (rope_scores.cu), the combine of split sequences after it (combine.cu).
 const char* launch_plan(const PlanParams& p, stream_t stream);
 const char* launch_set_len(int32_t* slot, int v, int step, stream_t stream);  // (plan.cu; PlanParams::len_slot)
+// (plan.cu) zeroes a call's work-counter pair (AttnParams::counter) in one
+// one-thread launch; with pdl, as a programmatic dependent of the kernel
+// before it, so that a dependent attention's prologue is not held back.
+const char* launch_zero_pair(int32_t* pair, bool pdl, stream_t stream);
 const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 const char* launch_merge(const MergeParams& p, stream_t stream);  // (combine.cu)

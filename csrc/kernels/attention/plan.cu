@@ -191,7 +191,28 @@ __global__ void set_len_kernel(int32_t* slot, int v, int step) {
   slot[1] = step;
 }
 
+// Zeroes a call's work-counter pair (AttnParams::counter). The dependent
+// attention may launch at once (its own pdl_wait then waits for this grid);
+// the writes wait for the kernel before it, which may still be using the
+// pair's memory (stream-ordered reuse by the caching allocator).
+__global__ void zero_pair_kernel(int32_t* pair) {
+  pdl_trigger();
+  pdl_wait();
+  pair[0] = 0;
+  pair[1] = 0;
+}
+
 }  // namespace
+
+const char* launch_zero_pair(int32_t* pair, bool pdl, stream_t stream) {
+#if MLA_NVIDIA
+  return launch_ex(zero_pair_kernel, dim3(1), dim3(1), 0, stream, pdl, dim3(1, 1, 1), pair);
+#else
+  (void)pdl;
+  zero_pair_kernel<<<1, 1, 0, stream>>>(pair);
+  return last_launch_error();
+#endif
+}
 
 const char* launch_set_len(int32_t* slot, int v, int step, stream_t stream) {
   set_len_kernel<<<1, 1, 0, stream>>>(slot, v, step);
