@@ -23,8 +23,11 @@ Differences a caller should know:
   work by the old lengths), so a captured CUDA/HIP graph stays right when
   lengths and block tables change in place; and the kernel's work counter
   is the call's own, so one plan may serve calls on several streams at
-  once. Other shapes, or metadata of other sizes, plan inside the call
-  (one planner launch, no host synchronisation).
+  once. Other shapes plan inside the call (one planner launch, no host
+  synchronisation); so does metadata made for other sizes (another
+  ``num_heads_per_head_k`` than the call's s_q * h_q),
+  with a RuntimeWarning once per batch and head count, since each such call
+  then pays the planner and a refused attempt first.
 - A sequence of length 0 gives out = 0 and lse = -inf (log of an empty sum),
   never NaN.
 - Supported: bf16 and fp16 (q and k_cache of one dtype; out in it, lse
@@ -41,6 +44,9 @@ Differences a caller should know:
 """
 
 from __future__ import annotations
+
+import threading
+import warnings
 
 import torch
 
@@ -127,7 +133,25 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         except ValueError as e:
             if not str(e).startswith("plan"):  # (a plan of other sizes: this call plans its own)
                 raise
+            _warn_other_sizes(q, str(e))
     return torch.ops.mla_decode.attention(*args)
+
+
+_warned_sizes = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_other_sizes(q, why):
+    """Say once per (device, b, s_q, h_q) that the metadata passed does not fit the call (a slow path)."""
+    key = (q.device, q.shape[0], q.shape[1], q.shape[2])
+    with _warned_lock:
+        if key in _warned_sizes:
+            return
+        _warned_sizes.add(key)
+    warnings.warn(f"flash_mla_with_kvcache: tile_scheduler_metadata was made for other sizes than this call's "
+                  f"(b {q.shape[0]}, s_q {q.shape[1]}, h_q {q.shape[2]}): {why.splitlines()[0]}; such calls plan "
+                  f"their own split (one more launch and a refused attempt each). Make the metadata with "
+                  f"get_mla_metadata(cache_seqlens, s_q * h_q, 1).", RuntimeWarning, stacklevel=3)
 
 
 def _check_seqlens(cache_seqlens):

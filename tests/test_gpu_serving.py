@@ -5,6 +5,7 @@ and every unused block-table slot (invalid ids), out and lse against an fp32
 evaluation; bf16 and fp16."""
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -135,6 +136,30 @@ def test_serving_metadata_of_other_lengths_and_shared_by_streams():
     outs.append(flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits))
     for i, (out, lse) in enumerate(outs):
         check(out, lse, ro.double(), rl.double(), f"call {i} sharing one plan across streams")
+
+
+def test_serving_metadata_of_other_sizes_warns_once():
+    """Metadata made for another head count than the call's gives the right
+    answer by planning inside the call, and says so once (a slower path);
+    metadata of the call's sizes says nothing."""
+    h_q = 128
+    q, pages, table, seqlens = make_paged([300, 700, 1500], 64, h_q=h_q, seed=31)
+    k_cache = pages.unsqueeze(2)
+    ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, dtype=torch.float32)
+    meta, splits = get_mla_metadata(seqlens, h_q, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits)
+    check(out, lse, ro.double(), rl.double(), "metadata of the call's sizes")
+    other, other_splits = get_mla_metadata(seqlens, 16, 1)  # made for 16 heads
+    assert other.shape != meta.shape, "the test needs metadata of another size"
+    with pytest.warns(RuntimeWarning, match="made for other sizes"):
+        out, lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, other, other_splits)
+    check(out, lse, ro.double(), rl.double(), "metadata made for 16 heads")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once per batch and head count)
+        out, lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, other, other_splits)
+    check(out, lse, ro.double(), rl.double(), "metadata made for 16 heads, again")
 
 
 def test_serving_bad_inputs():
