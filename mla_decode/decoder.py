@@ -102,7 +102,7 @@ class MLADecoder:
         self.backend = backend
         self.last_backend = None
         self._ran = None  # the last kernel step's paths (bits), None after a PyTorch one
-        self._plans = {}  # (device, config sizes, bs) -> (backend, the step's wished paths)
+        self._plans = {}  # (device, config sizes, bs, kernel settings) -> (backend, the step's wished paths)
         self._warned = set()
 
     @property
@@ -121,7 +121,7 @@ class MLADecoder:
             validate(config, x, kv_cache)
         try:
             sizes = config_dims(config)
-            plan = self._plans.get((x.device, sizes, x.shape[0]))
+            plan = self._plans.get((x.device, sizes, x.shape[0], kernel_choice.settings()))
         except (AttributeError, TypeError):  # not a config or not a tensor: validate says which
             validate(config, x, kv_cache)
             raise
@@ -163,7 +163,7 @@ class MLADecoder:
         device = x.device
         which = self._choose(dims, device)
         want = kernel_choice.step_want(device, dims) if which == "kernels" else 0
-        self._plans[(device, config_dims(config), dims.bs)] = plan = (which, want)
+        self._plans[(device, config_dims(config), dims.bs, kernel_choice.settings())] = plan = (which, want)
         return plan
 
     def _choose(self, dims, device):

@@ -64,11 +64,16 @@ def settings() -> Settings:
 
 
 def reload_settings() -> Settings:
-    """Read the environment again (the choices made since are recomputed)."""
+    """Read the environment again (the choices made since are recomputed):
+    the decoders choose anew, and the captured steps and the choices
+    registered for the lean path, made under the old settings, are dropped."""
     global _settings
     with _lock:
         _settings = Settings.from_env()
         _want.clear()
+    if _ext.kernels_built():
+        _ext.module().release_cached()  # (the captured steps; their replays would run the old paths)
+        _ext.module().clear_step_plans()
     return _settings
 
 

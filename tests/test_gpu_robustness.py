@@ -503,3 +503,30 @@ def test_lean_replay_matches_only_a_captured_step():
     assert_task_rule(r[1], data_ref, "cache of the lean path's checked step")
     mla_decode.release_cached()  # (forgets the decoder's registered choices too)
     assert fast((config, x.clone(), kv)) is None
+
+
+def test_reloaded_settings_reach_every_path(gemm_env):
+    """kernel_choice.reload_settings() after an environment change: the next
+    call at sizes run before takes the new wished paths, whether its operands
+    are new (the lean path's registered choices are dropped) or repeat a
+    captured step (captured steps are dropped), and still gives the task's
+    answer."""
+    if not mla_decode.kernel_choice.hopper(torch.device("cuda")):
+        pytest.skip("the own GEMM runs on Hopper GPUs only")
+    config, x, kv = _inputs(bs=8, prefill=100, seed=43)
+    dec = mla_decode.decoder._DEFAULT
+    gemm_env(None)
+    for _ in range(3):  # new x each call, then a repeated one
+        mla_decode.custom_kernel((config, x.clone(), kv))
+    mla_decode.custom_kernel((config, x, kv))
+    mla_decode.custom_kernel((config, x, kv))
+    assert dec.last_paths["down"] == "sm90 GEMM", dec.last_paths
+    gemm_env("vendor")
+    for what, xx in [("new operands", x.clone()), ("repeated operands", x)]:
+        ref = kv.clone()
+        y, data = mla_decode.custom_kernel((config, xx, kv))
+        assert dec.last_paths["down"] == "vendor BLAS", (what, dec.last_paths)
+        y_ref, data_ref = ref_kernel((config, xx, ref), batch_chunk=8)
+        assert_task_rule(y, y_ref, f"y after the reload, {what}")
+        assert_task_rule(data, data_ref, f"cache after the reload, {what}")
+    mla_decode.release_cached()
