@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <utility>
 
 #if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
@@ -104,40 +103,16 @@ inline const char* stream_capturing(stream_t stream, bool* capturing) {
   return error_or_null(e);
 }
 
-// Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA),
-// once per kernel, device and size (the runtime call costs microseconds on a
-// cold host, on every launch otherwise). Returns an error string or nullptr.
+// Raise a kernel's dynamic shared-memory limit (needed above 48 KB on NVIDIA).
+// Returns an error string or nullptr.
 template <typename Kernel>
 inline const char* set_max_dynamic_smem(Kernel kernel, int bytes) {
-  struct Done {
-    const void* fn;
-    int device, bytes;
-  };
-  static std::mutex mu;
-  static Done done[64];  // (beyond 64 kernel-device pairs the attribute is set on every call)
-  static int n_done = 0;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  int device = 0;
-  if (const char* e = error_or_null(MLA_RT(GetDevice)(&device))) return e;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (int i = 0; i < n_done; ++i)
-      if (done[i].fn == fn && done[i].device == device && done[i].bytes >= bytes) return nullptr;
-  }
 #if MLA_AMD
-  const char* e = error_or_null(hipFuncSetAttribute(fn, hipFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return error_or_null(
+      hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #else
-  const char* e = error_or_null(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return error_or_null(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 #endif
-  if (e != nullptr) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  for (int i = 0; i < n_done; ++i)
-    if (done[i].fn == fn && done[i].device == device) {
-      done[i].bytes = bytes > done[i].bytes ? bytes : done[i].bytes;
-      return nullptr;
-    }
-  if (n_done < 64) done[n_done++] = Done{fn, device, bytes};
-  return nullptr;
 }
 
 #if MLA_NVIDIA
