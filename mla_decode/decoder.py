@@ -151,7 +151,7 @@ class MLADecoder:
     def step(self, data):
         if _fast_step is not None and self.backend != "torch":
             r = _fast_step(data)
-            if r is not None:  # a replay of this step's captured graph
+            if r is not None:  # a replay of this step's captured graph, or the checked step run from C
                 self.last_backend, self._ran = "kernels", r[2]
                 return r[0], r[1]
         config, x, kv_cache = data
@@ -215,8 +215,9 @@ def _attention_torch(q_abs, q_pe, rows, cos, sin, dims: Dims, scale):
     return torch.bmm(p, c)
 
 
-# The lean replay (csrc/api/step_fast.cpp): (y, data, paths) when the call's
-# operands match a captured step, else None with nothing done.
+# The lean path (csrc/api/step_fast.cpp): (y, data, paths) after replaying the
+# captured step the call's operands match, or after the checked step where
+# these sizes are registered on that GPU; else None with nothing done.
 _fast_step = getattr(_ext.module(), "fast_step", None) if _ext.kernels_built() else None
 _DEFAULT = MLADecoder()
 

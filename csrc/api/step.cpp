@@ -80,12 +80,6 @@ struct Slots {
   }
 };
 
-// obuf[b, h, :] = o_lat[b, h, :] W_UV[h] for every head (the slots of `ws`
-// at byte offsets s_olat, s_obuf; W_UV[h] = w_kvu[h, nope:, :] transposed):
-// on NVIDIA the strided-batched cuBLAS call that at::bmm_out makes for these
-// operands, made directly (ATen's way there cost 90 us on a cold host),
-// with ATen's BLAS handle (its stream and workspace) and ATen's setting of
-// bf16 reduced-precision reductions; elsewhere at::bmm_out.
 // torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction: a bool
 // in older PyTorch, an option (0: allowed) in newer.
 template <typename Option>
@@ -96,6 +90,12 @@ bool bf16_reduced_allowed(Option o) {
     return static_cast<int>(o) == 0;
 }
 
+// obuf[b, h, :] = o_lat[b, h, :] W_UV[h] for every head (the slots of `ws`
+// at byte offsets s_olat, s_obuf; W_UV[h] = w_kvu[h, nope:, :] transposed):
+// on NVIDIA the strided-batched cuBLAS call that at::bmm_out makes for these
+// operands, made directly (ATen's way there cost 90 us on a cold host),
+// with ATen's BLAS handle (its stream and workspace) and ATen's setting of
+// bf16 reduced-precision reductions; elsewhere at::bmm_out.
 void w_uv(const at::Tensor& ws, int64_t s_olat, int64_t s_obuf, const at::Tensor& w_kvu, int64_t bs, int64_t H,
           int64_t r, int64_t nope, int64_t v) {
 #if !defined(USE_ROCM)
