@@ -60,6 +60,10 @@ const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg);
 // n1 0 for one weight; alignment not checked): what gemm_sm90_config gives
 // any aligned operands of these sizes (made once per device and sizes).
 const char* gemm_sm90_config_for(int m, int k, int batch, int n0, int n1, GemmConfig* cfg);
+// nullptr when p's operands meet the kernel's alignment (else why not): with
+// a cfg from gemm_sm90_config_for(p's sizes), what gemm_sm90_config checks
+// beyond the sizes.
+const char* gemm_sm90_aligned(const GemmParams& p);
 // Launches with cfg as gemm_sm90_config filled it for p (planned once per
 // call: the caller sizes the workspace from it).
 const char* launch_gemm_sm90(const GemmParams& p, const GemmConfig& cfg, stream_t stream);

@@ -355,9 +355,7 @@ struct Plan {
 
 const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* out);
 
-const char* plan(const GemmParams& p, Plan* out) {
-  if (p.nseg < 1 || p.nseg > 2) return "gemm_sm90: one or two weights";
-  if (const char* e = plan_sizes(p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg == 2 ? p.seg[1].n : 0, out)) return e;
+const char* alignment(const GemmParams& p) {
   if (!aligned16(p.x, p.x_row_stride, p.x_batch_stride))
     return "gemm_sm90: x needs a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
   for (int i = 0; i < p.nseg; ++i) {
@@ -368,6 +366,12 @@ const char* plan(const GemmParams& p, Plan* out) {
       return "gemm_sm90: outputs need a 16-byte aligned base and strides that are multiples of 8 elements";
   }
   return nullptr;
+}
+
+const char* plan(const GemmParams& p, Plan* out) {
+  if (p.nseg < 1 || p.nseg > 2) return "gemm_sm90: one or two weights";
+  if (const char* e = plan_sizes(p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg == 2 ? p.seg[1].n : 0, out)) return e;
+  return alignment(p);
 }
 
 // The sizes' part of plan() (the alignment checked there).
@@ -499,6 +503,11 @@ const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg) {
   return nullptr;
 }
 
+const char* gemm_sm90_aligned(const GemmParams& p) {
+  if (p.nseg < 1 || p.nseg > 2) return "gemm_sm90: one or two weights";
+  return alignment(p);
+}
+
 const char* launch_gemm_sm90(const GemmParams& p, const GemmConfig& c, stream_t stream) {
   const Choice k = pick_kernel(c.bn / 128, c.bm);
   if (k.fn == nullptr || c.bn % 128 != 0 || c.splits < 1 || c.splits > kMaxSplits || c.blocks % (c.splits * p.batch) != 0)
@@ -525,6 +534,7 @@ const char* launch_gemm_sm90(const GemmParams& p, const GemmConfig& c, stream_t 
 
 const char* gemm_sm90_config(const GemmParams&, GemmConfig*) { return "the sm90 GEMM is NVIDIA-only"; }
 const char* gemm_sm90_config_for(int, int, int, int, int, GemmConfig*) { return "the sm90 GEMM is NVIDIA-only"; }
+const char* gemm_sm90_aligned(const GemmParams&) { return "the sm90 GEMM is NVIDIA-only"; }
 const char* launch_gemm_sm90(const GemmParams&, const GemmConfig&, stream_t) { return "the sm90 GEMM is NVIDIA-only"; }
 
 #endif
