@@ -104,6 +104,15 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
                                             const at::Tensor& w_qu, const at::Tensor& w_kvu, const at::Tensor& w_o,
                                             const at::Tensor& cache, int64_t pos, const std::vector<int64_t>& cfg,
                                             const at::Tensor& rope_cs, int64_t want);
+struct StepKey;
+// The same, given the operands' key prefix where the caller has built it
+// (step_key_prefix of these operands and cfg: the lean path, step_fast.cpp),
+// or nullptr.
+std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd,
+                                                  const at::Tensor& w_qu, const at::Tensor& w_kvu,
+                                                  const at::Tensor& w_o, const at::Tensor& cache, int64_t pos,
+                                                  c10::ArrayRef<int64_t> cfg, const at::Tensor& rope_cs, int64_t want,
+                                                  const StepKey* prefix);
 
 // [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
 //  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`

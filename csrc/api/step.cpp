@@ -130,7 +130,7 @@ void w_uv(const at::Tensor& ws, int64_t s_olat, int64_t s_obuf, const at::Tensor
 // graph's pool), y a tensor of its own.
 StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd, const at::Tensor& w_qu,
                      const at::Tensor& w_kvu, const at::Tensor& w_o, const at::Tensor& cache, const at::Tensor& rope_cs,
-                     const std::vector<int64_t>& cfg, int64_t pos, int64_t want, int32_t* len_slot) {
+                     c10::ArrayRef<int64_t> cfg, int64_t pos, int64_t want, int32_t* len_slot) {
   step_mark("enqueue");
   const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
   const int64_t bs = x.size(0), d = r + rope;
@@ -174,13 +174,12 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   at::Tensor kv_new = carve(ws, s_kvnew, {bs, d}, {d, 1}, bf16);
   bool own_down = false;
   if (down_sizes_ok && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
-    GemmConfig c{};
     GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
-    if (gemm_sm90_config(p, &c) == nullptr) {  // (the operands' alignment; the choice is down's)
+    if (gemm_sm90_aligned(p) == nullptr) {  // (the choice for these sizes is `down`, planned above)
       p.ws = reinterpret_cast<float*>(static_cast<uint8_t*>(ws.data_ptr()) + s_down);
       p.ws_bytes = down.ws_bytes;
       step_mark("down_prep");
-      check_launch(launch_gemm_sm90(p, c, stream), "down-projection launch");
+      check_launch(launch_gemm_sm90(p, down, stream), "down-projection launch");
       own_down = true;
       ran |= kStepDownOwn;
     }
@@ -245,6 +244,14 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
                                             const at::Tensor& w_qu, const at::Tensor& w_kvu, const at::Tensor& w_o,
                                             const at::Tensor& cache, int64_t pos, const std::vector<int64_t>& cfg,
                                             const at::Tensor& rope_cs, int64_t want) {
+  return decode_step_keyed(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, pos, cfg, rope_cs, want, nullptr);
+}
+
+std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd,
+                                                  const at::Tensor& w_qu, const at::Tensor& w_kvu,
+                                                  const at::Tensor& w_o, const at::Tensor& cache, int64_t pos,
+                                                  c10::ArrayRef<int64_t> cfg, const at::Tensor& rope_cs, int64_t want,
+                                                  const StepKey* prefix) {
   StepMarksScope marks;  // (MLA_DECODE_STEP_GRAPH_TRACE=2)
   // ---- checks, in the order device, dtype, layout, shape; nothing is written before they pass
   if (cfg.size() != 7) fail_value("decode_step: cfg must be [dim, heads, q_lora, kv_lora, nope, rope, v]");
@@ -291,7 +298,7 @@ std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tenso
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   // (the operands and sizes first, then the table and the wished paths: the
   // lean replay, step_fast.cpp, matches the first part alone)
-  StepKey key = step_key_prefix(x, {&w_qd, &w_kvd, &w_qu, &w_kvu, &w_o}, cache, cfg);
+  StepKey key = prefix != nullptr ? *prefix : step_key_prefix(x, {&w_qd, &w_kvd, &w_qu, &w_kvu, &w_o}, cache, cfg);
   key.add(rope_cs);
   key.add(want);
   step_mark("key");

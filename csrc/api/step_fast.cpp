@@ -149,8 +149,8 @@ PyObject* fast_step(PyObject* /*module*/, PyObject* data) {
       int64_t want = 0;
       if (!find_plan(key.device, cfg, x.size(0), &table, &want) || table.size(0) < cache.size(1)) Py_RETURN_NONE;
       try {
-        auto [y, ran] = decode_step(x, *w[0], *w[1], *w[2], *w[3], *w[4], cache, pos,
-                                    std::vector<int64_t>(cfg, cfg + kDims), table, want);
+        auto [y, ran] = decode_step_keyed(x, *w[0], *w[1], *w[2], *w[3], *w[4], cache, pos,
+                                          c10::ArrayRef<int64_t>(cfg, kDims), table, want, &key);
         out.y = std::move(y);
         out.ran = ran;
       } catch (const c10::ValueError&) {  // refused before anything was written: the checked path says why
