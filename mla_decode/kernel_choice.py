@@ -73,7 +73,8 @@ def reload_settings() -> Settings:
         _want.clear()
     if _ext.kernels_built():
         _ext.module().release_cached()  # (the captured steps; their replays would run the old paths)
-        _ext.module().clear_step_plans()
+        _ext.module().clear_step_plans()  # (the lean path's registry lives in the Python module's C++ part,
+        # which CMake's libtorch library leaves out: not part of release_cached)
     return _settings
 
 
