@@ -30,8 +30,9 @@
 // the last to read them (H = NB / 2; at dv 512: H = 4, NB = 8):
 //   K0 blocks [0, H)      WG0 (after P0 V0L)   K0 blocks [H, NB]  WG1 (after P0 V0R; block NB held P0)
 //   K1 blocks [0, H) + NB WG0 (after P1 V1L)   K1 blocks [H, NB)  WG1 (after P1 V1R)
-// Key RoPE (task semantics) rotates block NB of a half in place, after its
-// load and while the first k-steps of its S are in flight.
+// Key RoPE (task semantics) rotates block NB of a half in place as soon as
+// its load group has landed, while the first group's k-steps of its S are in
+// flight, before the rest of the S is issued.
 //
 // Persistent: one block per resident slot walks work items (part, 64-row
 // head block) in the planner's longest-first order, taking the next from an
@@ -516,8 +517,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // The cos | sin values thread (row t/2, hh = t%2) needs for its key of
   // half h of pair jp: [cos, sin] of pairs 16 hh .. 16 hh + 7, then of
   // 16 hh + 8 .. 16 hh + 15. Loaded at the start of the half's S, so that
-  // their latency passes under the latent k-steps instead of sitting
-  // between them and the rope k-steps.
+  // their latency passes under the first group's wait and k-steps.
   auto load_cs = [&](int jp, int h, uint4 (&cs)[4]) {
     const int row = t / 2, hh = t % 2;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
@@ -569,8 +569,13 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   auto half_empty = [&](int jp, int h) { return (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf >= L; };
 
   // S of this warpgroup's half of pair jp: its two groups of latent blocks as
-  // they land, then the rope block (rotated meanwhile). `between` runs after
-  // the first group is issued (warpgroup 0 releases K1 there).
+  // they land, the rope block (in the second group) with them. With key RoPE
+  // the rope block is rotated as soon as the second group has landed, before
+  // its k-steps are issued: the rotation's shared-memory reads then wait
+  // behind the first group's products only (issued after the second group's,
+  // they queued behind those operand reads too, and the rope k-steps behind
+  // the rotation; docs/attention.md). `between` runs after the first group
+  // is issued (warpgroup 0 releases K1 there).
   // kW1: the calling warpgroup is warpgroup 1 (a compile-time constant, so
   // that no branch on the warpgroup sits between the wgmmas).
   auto issue_s = [&](auto kW1, float (&s)[32], int jp, auto between) {
@@ -600,18 +605,16 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     between();
     wg::mbar_wait(mbar(jp, w1 ? kMbK1a : kMbK0b), par);
     wg::fence_proxy_async();
+    if constexpr (!kPH) {
+      if (rope) rotate_half(jp, wg, cs);
+    }
     wg::fence();  // after the (per-thread) wait loop: else ptxas inserts one and serializes
     if constexpr (w1)
       s_steps<0, 4 * kHB, kF16, -1>(s, dq, dkj);
     else
       s_steps<4 * kHB, 4 * kNB, kF16, -1>(s, dq, dkj);
+    if constexpr (!kPH) s_steps<4 * kNB, T::kSteps, kF16, -1>(s, dq, dkj);  // the rope block's k-steps
     wg::commit();
-    if constexpr (!kPH) {  // the rope block's k-steps (per-head keys: their scores are added instead)
-      if (rope) rotate_half(jp, wg, cs);
-      wg::fence();
-      s_steps<4 * kNB, T::kSteps, kF16, -1>(s, dq, dkj);
-      wg::commit();
-    }
   };
 
   // Per-head rope keys: S += this half's score tile (the item's 32 rows; the
