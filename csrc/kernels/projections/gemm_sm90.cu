@@ -353,27 +353,6 @@ struct Plan {
   int tiles0;
 };
 
-const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* out);
-
-const char* alignment(const GemmParams& p) {
-  if (!aligned16(p.x, p.x_row_stride, p.x_batch_stride))
-    return "gemm_sm90: x needs a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
-  for (int i = 0; i < p.nseg; ++i) {
-    const GemmSeg& s = p.seg[i];
-    if (!aligned16(s.w, s.w_row_stride, s.w_batch_stride))
-      return "gemm_sm90: weights need a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
-    if (!aligned16(s.y, s.y_row_stride, s.y_batch_stride) || (s.row_pos != nullptr && s.y_pos_stride % 8 != 0))
-      return "gemm_sm90: outputs need a 16-byte aligned base and strides that are multiples of 8 elements";
-  }
-  return nullptr;
-}
-
-const char* plan(const GemmParams& p, Plan* out) {
-  if (p.nseg < 1 || p.nseg > 2) return "gemm_sm90: one or two weights";
-  if (const char* e = plan_sizes(p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg == 2 ? p.seg[1].n : 0, out)) return e;
-  return alignment(p);
-}
-
 // The sizes' part of plan() (the alignment checked there).
 const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* out) {
   if (m < 1 || m > 256) return "gemm_sm90: x must have 1 to 256 rows";
@@ -385,8 +364,6 @@ const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* 
     if (ns[i] < 64 || ns[i] % 8 != 0) return "gemm_sm90: every weight needs a multiple of 8 rows, at least 64";
     if (ns[i] < 256) wide = false;
   }
-  int sms = 0, smem_max = 0;
-  if (!sm90_device_limits(&sms, &smem_max)) return "gemm_sm90: cannot query the device";
   // the choice depends on the device and the sizes alone: made once per
   // device and sizes (the search below asks the occupancy calculator per
   // candidate: tens of microseconds on a cold host, on every launch)
@@ -406,6 +383,8 @@ const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* 
       return nullptr;
     }
   }
+  int sms = 0, smem_max = 0;
+  if (!sm90_device_limits(&sms, &smem_max)) return "gemm_sm90: cannot query the device";
   const int bm = m <= 64 ? 64 : m <= 128 ? 128 : 256;
   const int kt = (k + 63) / 64;
   // measurement switches (benchmarks; unset in normal use): force the tile
@@ -457,6 +436,26 @@ const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* 
   memo.emplace(memo_key, *out);
   return nullptr;
 }
+
+const char* alignment(const GemmParams& p) {
+  if (!aligned16(p.x, p.x_row_stride, p.x_batch_stride))
+    return "gemm_sm90: x needs a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
+  for (int i = 0; i < p.nseg; ++i) {
+    const GemmSeg& s = p.seg[i];
+    if (!aligned16(s.w, s.w_row_stride, s.w_batch_stride))
+      return "gemm_sm90: weights need a 16-byte aligned base and row/batch strides that are multiples of 8 elements";
+    if (!aligned16(s.y, s.y_row_stride, s.y_batch_stride) || (s.row_pos != nullptr && s.y_pos_stride % 8 != 0))
+      return "gemm_sm90: outputs need a 16-byte aligned base and strides that are multiples of 8 elements";
+  }
+  return nullptr;
+}
+
+const char* plan(const GemmParams& p, Plan* out) {
+  if (p.nseg < 1 || p.nseg > 2) return "gemm_sm90: one or two weights";
+  if (const char* e = plan_sizes(p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg == 2 ? p.seg[1].n : 0, out)) return e;
+  return alignment(p);
+}
+
 
 }  // namespace
 
