@@ -48,4 +48,9 @@ bool capturing(stream_t stream);
 // `stream`, or an undefined tensor.
 at::Tensor bounded_table_for(int device, const BoundedLayout& l, stream_t stream);
 
+// bounded_table_for's table, or, for a layout not registered, a new table
+// built on `stream` and registered (attention_bounded_register's work after
+// its checks). `like`: options of the cache (its device).
+at::Tensor bounded_table_or_build(int device, const BoundedLayout& l, const at::TensorOptions& like, stream_t stream);
+
 }  // namespace mla::api::detail

@@ -20,6 +20,7 @@ namespace mla::api {
 
 using detail::AttnKernel;
 using detail::bounded_table_for;
+using detail::bounded_table_or_build;
 using detail::capturing;
 using detail::DeviceAttnInfo;
 using detail::device_attn_info;
@@ -134,6 +135,29 @@ PlanParams step_plan_params(int device, int64_t bs, int64_t h_q, int64_t capacit
 
 namespace {
 
+// One attention call whose operands have passed the checks (attention_out_impl's, or the decode step's own):
+// what enqueue_attention needs of them.
+struct AttnCall {
+  const at::Tensor& q;
+  const at::Tensor& kv;
+  const at::Tensor& seqlens;
+  const c10::optional<at::Tensor>& block_table;
+  const c10::optional<at::Tensor>& rope_cs;
+  const c10::optional<at::Tensor>& kpe;
+  const c10::optional<at::Tensor>& kpe_heads;
+  const c10::optional<at::Tensor>& plan_in;
+  at::Tensor& out;
+  at::Tensor& lse;
+  double softmax_scale;
+  bool causal, split, plan_fresh, f16, per_head;
+  int64_t bs, s_q, h_q, dv, rope, rope_in_key;
+  KvLayout kl;
+  int capturing;     // whether the current stream captures: 0 / 1, or -1 (not known: asked here)
+  bool build_table;  // build the bounded-map table of an unregistered cache layout (the decode step's)
+};
+
+void enqueue_attention(const AttnCall& c);
+
 void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                         const c10::optional<at::Tensor>& block_table, const c10::optional<at::Tensor>& rope_cs,
                         double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
@@ -223,7 +247,24 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
     if (!rows_aligned16(q)) fail_value("q must be 16-byte aligned with strides that are multiples of 8 (per-head rope keys), got strides " + list_str(q.strides()));
   }
   if (!(softmax_scale > 0.0)) fail_value("softmax_scale must be positive, got " + num(softmax_scale));
+  enqueue_attention({q, kv, seqlens, block_table, rope_cs, kpe, kpe_heads, plan_in, out, lse, softmax_scale, causal,
+                     split, plan_fresh, f16, per_head, bs, s_q, h_q, dv, rope, rope_in_key, kl, -1, false});
+}
 
+// The split plan (made here or passed in), the partials' workspaces, the launches: rope scores, attention, combine.
+void enqueue_attention(const AttnCall& c) {
+  const at::Tensor& q = c.q;
+  const at::Tensor& kv = c.kv;
+  const at::Tensor& seqlens = c.seqlens;
+  const c10::optional<at::Tensor>& block_table = c.block_table;
+  const c10::optional<at::Tensor>& rope_cs = c.rope_cs;
+  const c10::optional<at::Tensor>& kpe = c.kpe;
+  const c10::optional<at::Tensor>& kpe_heads = c.kpe_heads;
+  const c10::optional<at::Tensor>& plan_in = c.plan_in;
+  const bool split = c.split, per_head = c.per_head, f16 = c.f16;
+  const int64_t bs = c.bs, s_q = c.s_q, h_q = c.h_q, dv = c.dv, rope = c.rope, rope_in_key = c.rope_in_key;
+  const KvLayout& kl = c.kl;
+  const at::Device dev = q.device();
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
   const int64_t rows = s_q * h_q;
@@ -232,7 +273,9 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   // the split plan: made here (the planner launch), or passed in from the
   // plan op (planned beforehand, once for every call with these lengths)
   Planned pl;
-  if (plan_in.has_value()) {
+  if (plan_in.has_value() && c.plan_fresh) {  // (the step's own, planned for this kernel)
+    pl = {*plan_in, plan_parts(bs, s_q, h_q, info, split).second};
+  } else if (plan_in.has_value()) {
     const at::Tensor& pt = *plan_in;
     const DeviceAttnInfo& pinfo = device_attn_info(device);  // what the plan op plans with
     if (pinfo.kind != info.kind || pinfo.kernel.tile != info.kernel.tile ||
@@ -310,15 +353,15 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   ap.kpe_rows = kpe.has_value() ? kpe->size(1) : 0;
   ap.num_pages = block_table.has_value() ? kv.size(0) : bs;
   ap.kpe_batch_stride = kpe.has_value() ? kpe->stride(0) : 0;
-  ap.o = reinterpret_cast<bf16_t*>(out.data_ptr());
-  ap.lse = lse.data_ptr<float>();
+  ap.o = reinterpret_cast<bf16_t*>(c.out.data_ptr());
+  ap.lse = c.lse.data_ptr<float>();
   ap.o_part = split ? o_part.data_ptr<float>() : nullptr;  // (no part of a no-split plan writes partials)
   ap.lse_part = split ? lse_part.data_ptr<float>() : nullptr;
   ap.plan = plan.data_ptr<int32_t>();
   // a plan made before this call: the lengths as they are now, and a work
   // counter of the call's own (the plan may serve calls on other streams at once)
   at::Tensor counter;
-  if (plan_in.has_value() && !plan_fresh) {
+  if (plan_in.has_value() && !c.plan_fresh) {
     ap.live_lens = true;
     if (info.kind == AttnKernel::kHopper) {
       counter = at::empty({2}, plan.options());
@@ -344,13 +387,17 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   ap.rs_stride = rs_stride;
   ap.dv = static_cast<int>(dv);
   ap.rope = static_cast<int>(rope_in_key);
-  ap.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
-  ap.causal = causal && s_q > 1;
+  ap.scale_log2 = static_cast<float>(c.softmax_scale * 1.4426950408889634);
+  ap.causal = c.causal && s_q > 1;
   ap.f16 = f16;
   if (info.kind == AttnKernel::kHopper && !block_table.has_value() && !per_head) {
     const BoundedLayout bl{ap.kv,   ap.kv_row_stride,  ap.kv_page_stride,   ap.max_len, ap.bs, ap.dv + ap.rope,
                            ap.kpe,  ap.kpe_row_stride, ap.kpe_batch_stride, ap.kpe_rows, ap.rope};
-    const at::Tensor table = capturing(stream) ? at::Tensor() : bounded_table_for(device, bl, stream);
+    // (none while the stream captures: a graph would keep a table's address past its drop)
+    const bool cap = c.capturing >= 0 ? c.capturing == 1 : capturing(stream);
+    const at::Tensor table = cap               ? at::Tensor()
+                             : c.build_table ? bounded_table_or_build(device, bl, kv.options(), stream)
+                                             : bounded_table_for(device, bl, stream);
     ap.bmaps = table.defined() ? table.data_ptr<uint8_t>() : nullptr;
     ap.bmaps_len = table.defined() ? ap.max_len : 0;
   }
@@ -389,11 +436,14 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                      kpe_heads, plan, split, false);
 }
 
-void attention_out_fresh_plan(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
-                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale, at::Tensor& out,
-                              at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan, bool split) {
-  attention_out_impl(q, kv, seqlens, c10::nullopt, rope_cs, softmax_scale, false, out, lse, c10::nullopt,
-                     head_dim_v, c10::nullopt, plan, split, true);
+void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens, const at::Tensor& rope_cs,
+                    double softmax_scale, at::Tensor& out, at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan,
+                    bool split, bool capturing) {
+  const c10::optional<at::Tensor> none, cs = rope_cs, pl = plan;
+  const int64_t bs = q.size(0), h_q = q.size(2), rope = q.size(3) - head_dim_v;
+  const KvLayout kl{kv.stride(1), kv.stride(0), kv.size(1), kv.size(1), 0};
+  enqueue_attention({q, kv, seqlens, none, cs, none, none, pl, out, lse, softmax_scale, false, split, true,
+                     false, false, bs, 1, h_q, head_dim_v, rope, rope, kl, capturing ? 1 : 0, true});
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,

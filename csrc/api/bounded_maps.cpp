@@ -91,8 +91,14 @@ at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<
                          kpe.has_value() ? kpe->data_ptr() : nullptr,
                          kpe.has_value() ? kpe->stride(1) : 0, kpe.has_value() ? kpe->stride(0) : 0,
                          kpe.has_value() ? kpe->size(1) : 0, rope};
-  if (at::Tensor known = detail::bounded_table_for(device, bl, stream); known.defined()) return known;
-  at::Tensor table = at::empty({(bl.rows + 1) * 256}, kv.options().dtype(at::kByte));
+  return detail::bounded_table_or_build(device, bl, kv.options(), stream);
+}
+
+namespace detail {
+
+at::Tensor bounded_table_or_build(int device, const BoundedLayout& bl, const at::TensorOptions& like, stream_t stream) {
+  if (at::Tensor known = bounded_table_for(device, bl, stream); known.defined()) return known;
+  at::Tensor table = at::empty({(bl.rows + 1) * 256}, like.dtype(at::kByte));
   check_launch(build_bounded_maps_sm90(bl, table.data_ptr(), stream), "bounded TMA map table");
   event_t built{};
   check_launch(event_create(&built), "bounded TMA map table");
@@ -110,6 +116,8 @@ at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<
   }
   return table;
 }
+
+}  // namespace detail
 
 void release_cached() {
   release_step_graphs();

@@ -22,14 +22,19 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                    const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan,
                    bool split = true);
-// attention_out whose `plan` (given) was made for this very call (the decode
-// step's planner): the kernel reads each part's length from the plan and
-// takes its work from the plan's counter. A plan passed to attention_out
-// itself may be of other lengths and shared: the lengths are read from
-// seqlens and the work counter is the call's own.
-void attention_out_fresh_plan(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
-                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale, at::Tensor& out,
-                              at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan, bool split);
+// The decode step's attention (step.cpp): attention_out with `plan` made for
+// this very call by the step's planner (the kernel reads each part's length
+// from it and takes its work from the plan's counter), keys rotated on the
+// fly by rope_cs, no block table, s_q 1. The operands are the step's, which
+// it has checked (their devices, dtypes, shapes and 16-byte rows) or made
+// itself, so no check is repeated here. `capturing`: whether the current
+// stream captures a graph (then no bounded-map table is used); otherwise an
+// unregistered cache layout gets its table built first. A plan passed to
+// attention_out itself may be of other lengths and shared: the lengths are
+// read from seqlens and the work counter is the call's own.
+void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens, const at::Tensor& rope_cs,
+                    double softmax_scale, at::Tensor& out, at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan,
+                    bool split, bool capturing);
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,

@@ -17,7 +17,11 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <climits>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -31,6 +35,9 @@
 #include "checks.h"
 #include "ops.h"
 #include "../kernels/attention/attention.h"
+#include "../kernels/attention/plan.h"
+#include "../kernels/projections/gemm.h"
+#include "../kernels/projections/query.h"
 #include "projection_ops.h"
 #include "step_graph.h"
 
@@ -124,109 +131,236 @@ void w_uv(const at::Tensor& ws, int64_t s_olat, int64_t s_obuf, const at::Tensor
 #endif
 }
 
-// The stages on the current stream (the operands checked by decode_step).
-// Every intermediate is a slot of one workspace from the caching allocator
+// What a step's sizes alone decide (the device, the layer's sizes, the
+// batch, the cache's capacity and the wished paths), worked out at a shape's
+// first call and looked up by the later ones in one search: whether the
+// attention splits sequences, the planner's parameters and the plan's size,
+// the down GEMM's configuration, the workspace's slots (byte offsets,
+// 256-byte aligned). Each part is what the lookups it replaces give for
+// these sizes on this device, which never changes in a process.
+struct StepShape {
+  int device = -1;
+  int64_t bs = 0, max_len = 0, want = 0;
+  std::array<int64_t, 7> cfg{};
+  bool split = false;
+  PlanParams pp{};
+  int64_t plan_elems = 0;
+  bool down_ok = false;  // our GEMM takes the down stage at these sizes (alignment is the call's to check)
+  GemmConfig down{};
+  int64_t s_down = 0, s_lens = 0, s_plan = 0, s_qlora = 0, s_kvnew = 0, s_q = 0, s_olat = 0, s_lse = 0, s_obuf = 0,
+          bytes = 0;
+};
+
+StepShape make_step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef<int64_t> cfg, int64_t want) {
+  StepShape s;
+  s.device = device;
+  s.bs = bs;
+  s.max_len = max_len;
+  s.want = want;
+  std::copy(cfg.begin(), cfg.end(), s.cfg.begin());
+  const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], rope = cfg[5], v = cfg[6], d = r + rope;
+  // every sequence one part, and no combine, where the planner could not split a batch of one length anyway
+  s.split = bs < plan_target_parts(device, 1, H);
+  s.pp = step_plan_params(device, bs, H, max_len, s.split, &s.plan_elems);
+  s.down_ok = (want & kStepDownOwn) && bs <= 256 &&
+              gemm_sm90_config_for(static_cast<int>(bs), static_cast<int>(dim), 1, static_cast<int>(q_lora),
+                                   static_cast<int>(d), &s.down) == nullptr;
+  Slots sl;
+  s.s_down = sl.add(s.down_ok ? s.down.ws_bytes : 0);
+  s.s_lens = sl.add(bs * 4);
+  s.s_plan = sl.add(s.plan_elems * 4);
+  s.s_qlora = sl.add(bs * q_lora * 2);
+  s.s_kvnew = sl.add(bs * d * 2);
+  s.s_q = sl.add(H * bs * d * 2);
+  s.s_olat = sl.add(bs * H * r * 2);
+  s.s_lse = sl.add(bs * H * 4);
+  s.s_obuf = sl.add(bs * H * v * 2);
+  s.bytes = sl.bytes;
+  return s;
+}
+
+StepShape step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef<int64_t> cfg, int64_t want) {
+  static std::mutex mu;
+  // never destroyed (nothing of it needs a destructor at exit); a process
+  // runs few shapes, so a short list searched in order
+  static std::vector<StepShape>& shapes = *new std::vector<StepShape>();
+  constexpr size_t kShapes = 16;
+  const auto same = [&](const StepShape& s) {
+    return s.device == device && s.bs == bs && s.max_len == max_len && s.want == want &&
+           std::equal(cfg.begin(), cfg.end(), s.cfg.begin());
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const StepShape& s : shapes)
+      if (same(s)) return s;
+  }
+  StepShape s = make_step_shape(device, bs, max_len, cfg, want);
+  std::lock_guard<std::mutex> lock(mu);
+  if (shapes.size() >= kShapes) shapes.erase(shapes.begin());
+  shapes.push_back(s);
+  return s;
+}
+
+// t's first element (plus `off` bytes) as a T*.
+template <typename T>
+T* ptr_of(const at::Tensor& t, int64_t off = 0) {
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(t.data_ptr()) + off);
+}
+
+// The stages on the current stream. The operands were checked by
+// decode_step_keyed (devices, dtypes, shapes, contiguity, the cache's
+// 16-byte rows), so the kernels' parameters are made here directly from
+// them and from the workspace's slots, without the ops' checks again (each
+// costs microseconds on a host whose caches are cold, as they are in the
+// task's fresh-input calls); what depends on addresses (the 16-byte
+// alignment our GEMM and fused query need of the weights) is checked per
+// call, and a product they do not take goes to the vendor BLAS. Every
+// intermediate is a slot of one workspace from the caching allocator
 // (stream-ordered as any allocation; a captured step's comes from the
-// graph's pool), y a tensor of its own.
+// graph's pool), y a tensor of its own. `capturing`: whether the stream
+// captures (the caller's graph, or the step's own capture).
 StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd, const at::Tensor& w_qu,
                      const at::Tensor& w_kvu, const at::Tensor& w_o, const at::Tensor& cache, const at::Tensor& rope_cs,
-                     c10::ArrayRef<int64_t> cfg, int64_t pos, int64_t want, int32_t* len_slot) {
+                     c10::ArrayRef<int64_t> cfg, int64_t pos, int64_t want, int32_t* len_slot, bool capturing) {
   step_mark("enqueue");
   const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
-  const int64_t bs = x.size(0), d = r + rope;
+  const int64_t bs = x.size(0), d = r + rope, max_len = cache.size(1);
   const int device = x.get_device();
   constexpr auto bf16 = at::kBFloat16;
   const stream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  const StepShape sh = step_shape(device, bs, max_len, cfg, want);
 
   // ---- the workspace: every sequence's length and the attention's split
-  // plan (one sequence one part, no combine, where the planner could not
-  // split a batch of one length anyway), q_lora and the new latent row, the
-  // query, the attention's output and LSE, the per-head W_UV output
-  const bool split = bs < plan_target_parts(device, 1, H);
-  int64_t plan_elems = 0;
-  PlanParams pp = step_plan_params(device, bs, H, cache.size(1), split, &plan_elems);
-  // the down-projections' GEMM for these sizes (its split-K partials a slot too)
-  GemmConfig down{};
-  const bool down_sizes_ok = (want & kStepDownOwn) && bs <= 256 &&
-                             gemm_sm90_config_for(static_cast<int>(bs), static_cast<int>(dim), 1,
-                                                  static_cast<int>(q_lora), static_cast<int>(d), &down) == nullptr;
-  Slots sl;
-  const int64_t s_down = sl.add(down_sizes_ok ? down.ws_bytes : 0);
-  const int64_t s_lens = sl.add(bs * 4), s_plan = sl.add(plan_elems * 4), s_qlora = sl.add(bs * q_lora * 2),
-                s_kvnew = sl.add(bs * d * 2), s_q = sl.add(H * bs * d * 2), s_olat = sl.add(bs * H * r * 2),
-                s_lse = sl.add(bs * H * 4), s_obuf = sl.add(bs * H * v * 2);
-  const at::Tensor ws = at::empty({sl.bytes}, x.options().dtype(at::kByte));
-  const at::Tensor seqlens = carve(ws, s_lens, {bs}, {1}, at::kInt);
-  const at::Tensor plan = carve(ws, s_plan, {plan_elems}, {1}, at::kInt);
-  pp.seqlens = pp.fill_lens = seqlens.data_ptr<int32_t>();
-  pp.plan = plan.data_ptr<int32_t>();
+  // plan, q_lora and the new latent row, the query, the attention's output
+  // and LSE, the per-head W_UV output (and the down GEMM's split-K partials)
+  const at::Tensor ws = at::empty({sh.bytes}, x.options().dtype(at::kByte));
+  step_mark("workspace");
+  PlanParams pp = sh.pp;
+  pp.seqlens = pp.fill_lens = ptr_of<int32_t>(ws, sh.s_lens);
+  pp.plan = ptr_of<int32_t>(ws, sh.s_plan);
   pp.fill_len = static_cast<int32_t>(pos + 1);  // (a captured step reads it from *len_slot)
   pp.len_slot = len_slot;
-  step_mark("plan_prep");
   check_launch(launch_plan(pp, stream), "decode step lengths and plan");
   step_mark("plan");
 
   // ---- 1-2. down-projections: q_lora and the new latent row (the host
   // prepares the rest while they run)
   int64_t ran = 0;
-  const at::Tensor x2 = carve(x, 0, {bs, dim}, {dim, 1}, bf16);
-  at::Tensor q_lora_t = carve(ws, s_qlora, {bs, q_lora}, {q_lora, 1}, bf16);
-  at::Tensor kv_new = carve(ws, s_kvnew, {bs, d}, {d, 1}, bf16);
+  bf16_t* const q_lora_p = ptr_of<bf16_t>(ws, sh.s_qlora);
+  bf16_t* const kv_new_p = ptr_of<bf16_t>(ws, sh.s_kvnew);
   bool own_down = false;
-  if (down_sizes_ok && rows_aligned16(x2) && rows_aligned16(w_qd) && rows_aligned16(w_kvd)) {
-    GemmParams p = gemm_params(x2, w_qd, q_lora_t, w_kvd, kv_new, c10::nullopt, true);
-    if (gemm_sm90_aligned(p) == nullptr) {  // (the choice for these sizes is `down`, planned above)
-      p.ws = reinterpret_cast<float*>(static_cast<uint8_t*>(ws.data_ptr()) + s_down);
-      p.ws_bytes = down.ws_bytes;
-      step_mark("down_prep");
-      check_launch(launch_gemm_sm90(p, down, stream), "down-projection launch");
+  if (sh.down_ok) {
+    GemmParams p{};
+    p.x = ptr_of<const bf16_t>(x);
+    p.x_row_stride = dim;
+    p.m = static_cast<int>(bs);
+    p.k = static_cast<int>(dim);
+    p.batch = 1;
+    p.nseg = 2;
+    p.pdl = true;
+    p.seg[0].w = ptr_of<const bf16_t>(w_qd);
+    p.seg[0].w_row_stride = dim;
+    p.seg[0].n = static_cast<int>(q_lora);
+    p.seg[0].y = q_lora_p;
+    p.seg[0].y_row_stride = q_lora;
+    p.seg[1].w = ptr_of<const bf16_t>(w_kvd);
+    p.seg[1].w_row_stride = dim;
+    p.seg[1].n = static_cast<int>(d);
+    p.seg[1].y = kv_new_p;
+    p.seg[1].y_row_stride = d;
+    p.ws = ptr_of<float>(ws, sh.s_down);
+    p.ws_bytes = sh.down.ws_bytes;
+    if (gemm_sm90_aligned(p) == nullptr) {  // (the configuration for these sizes is sh.down)
+      check_launch(launch_gemm_sm90(p, sh.down, stream), "down-projection launch");
       own_down = true;
       ran |= kStepDownOwn;
     }
   }
+  // (the vendor paths' views of the slots)
+  const auto q_lora_view = [&] { return carve(ws, sh.s_qlora, {bs, q_lora}, {q_lora, 1}, bf16); };
+  const auto kv_new_view = [&] { return carve(ws, sh.s_kvnew, {bs, d}, {d, 1}, bf16); };
   if (!own_down) {
+    const at::Tensor x2 = carve(x, 0, {bs, dim}, {dim, 1}, bf16);
+    at::Tensor q_lora_t = q_lora_view(), kv_new = kv_new_view();
     at::mm_out(q_lora_t, x2, w_qd.t());
     at::mm_out(kv_new, x2, w_kvd.t());
   }
   step_mark("down");
   // ---- 3-4. query: up-projection, W_UK absorption, RoPE of q_pe, the cache append
   // (the attention's query, head-major [H, bs, d]: q_abs its first r columns, q_rot [bs, H, rope] the rest rotated)
-  const at::Tensor w_uk = carve(w_kvu, 0, {H, nope, r}, {(nope + v) * r, r, 1}, bf16);
-  at::Tensor q_abs = carve(ws, s_q, {H, bs, r}, {bs * d, d, 1}, bf16);
-  at::Tensor q_rot = carve(ws, s_q + r * 2, {bs, H, rope}, {d, bs * d, 1}, bf16);
-  c10::optional<QueryParams> query;
+  const at::Tensor seqlens = carve(ws, sh.s_lens, {bs}, {1}, at::kInt);
+  bool fused = false;
   if (want & kStepQueryFused) {
-    QueryParams p = query_params(q_lora_t, w_qu, w_uk, q_abs, q_rot, true, kv_new, seqlens, rope_cs, cache,
-                                 c10::nullopt);
-    if (query_sm90_check(p) == nullptr) query = p;
+    QueryParams p{};
+    p.q_lora = q_lora_p;
+    p.q_lora_stride = q_lora;
+    p.w_qu = ptr_of<const bf16_t>(w_qu);
+    p.w_qu_stride = q_lora;
+    p.w_uk = ptr_of<const bf16_t>(w_kvu);  // W_UK[h] = w_kvu rows h * (nope + v) ... + nope
+    p.w_uk_row_stride = r;
+    p.w_uk_head_stride = (nope + v) * r;
+    p.q_abs = ptr_of<bf16_t>(ws, sh.s_q);
+    p.qa_head_stride = bs * d;
+    p.qa_row_stride = d;
+    p.q_pe = ptr_of<bf16_t>(ws, sh.s_q + r * 2);
+    p.qp_row_stride = d;
+    p.qp_head_stride = bs * d;
+    p.m = static_cast<int>(bs);
+    p.k = static_cast<int>(q_lora);
+    p.heads = static_cast<int>(H);
+    p.nope = static_cast<int>(nope);
+    p.rope = static_cast<int>(rope);
+    p.r = static_cast<int>(r);
+    p.pdl = true;
+    RopeAppendParams& ra = p.ra;  // the append (q_pe rotated as it is stored: ra's q_pe / q_out unused)
+    ra.q_out = p.q_pe;
+    ra.o_b_stride = d;
+    ra.o_h_stride = bs * d;
+    ra.kv_new = kv_new_p;
+    ra.kv_b_stride = d;
+    ra.cache = ptr_of<bf16_t>(cache);
+    ra.c_b_stride = cache.stride(0);
+    ra.c_row_stride = cache.stride(1);
+    ra.seqlens = pp.seqlens;
+    ra.rope_cs = ptr_of<const bf16_t>(rope_cs);
+    ra.bs = static_cast<int>(bs);
+    ra.heads = static_cast<int>(H);
+    ra.rope = static_cast<int>(rope);
+    ra.width = static_cast<int>(d);
+    ra.max_len = static_cast<int>(max_len);
+    ra.positions = static_cast<int>(std::min<int64_t>(rope_cs.size(0), INT32_MAX));
+    if (query_sm90_check(p) == nullptr) {
+      check_launch(launch_query_sm90(p, stream), "fused query launch");
+      fused = true;
+      ran |= kStepQueryFused;
+    }
   }
-  if (query) {
-    check_launch(launch_query_sm90(*query, stream), "fused query launch");
-    ran |= kStepQueryFused;
-  } else {
+  if (!fused) {
+    const at::Tensor w_uk = carve(w_kvu, 0, {H, nope, r}, {(nope + v) * r, r, 1}, bf16);
+    at::Tensor q_abs = carve(ws, sh.s_q, {H, bs, r}, {bs * d, d, 1}, bf16);
+    at::Tensor q_rot = carve(ws, sh.s_q + r * 2, {bs, H, rope}, {d, bs * d, 1}, bf16);
     at::Tensor q = at::empty({bs, H, nope + rope}, x.options());
     at::Tensor q2 = q.view({bs, H * (nope + rope)});
-    at::mm_out(q2, q_lora_t, w_qu.t());
+    at::mm_out(q2, q_lora_view(), w_qu.t());
     at::bmm_out(q_abs, q.narrow(2, 0, nope).transpose(0, 1), w_uk);
-    rope_append(q.narrow(2, nope, rope), kv_new, seqlens, rope_cs, q_rot, const_cast<at::Tensor&>(cache),
+    rope_append(q.narrow(2, nope, rope), kv_new_view(), seqlens, rope_cs, q_rot, const_cast<at::Tensor&>(cache),
                 c10::nullopt);
   }
   step_mark("query");
   // ---- 5. attention over the cache, the keys rotated on the fly, with the plan made at step 0
-  attention_bounded_register(cache, c10::nullopt, r);  // (once per cache layout; see bounded_maps.cpp)
-  step_mark("maps");
-  const at::Tensor q_att = carve(ws, s_q, {bs, 1, H, d}, {d, H * bs * d, bs * d, 1}, bf16);
-  at::Tensor o_lat = carve(ws, s_olat, {bs, 1, H, r}, {H * r, H * r, r, 1}, bf16);
-  at::Tensor lse = carve(ws, s_lse, {bs, H, 1}, {H, 1, 1}, at::kFloat);
-  attention_out_fresh_plan(q_att, cache, seqlens, rope_cs, 1.0 / std::sqrt(static_cast<double>(nope + rope)), o_lat,
-                           lse, r, plan, split);
+  const at::Tensor q_att = carve(ws, sh.s_q, {bs, 1, H, d}, {d, H * bs * d, bs * d, 1}, bf16);
+  at::Tensor o_lat = carve(ws, sh.s_olat, {bs, 1, H, r}, {H * r, H * r, r, 1}, bf16);
+  at::Tensor lse = carve(ws, sh.s_lse, {bs, H, 1}, {H, 1, 1}, at::kFloat);
+  const at::Tensor plan = carve(ws, sh.s_plan, {sh.plan_elems}, {1}, at::kInt);
+  attention_step(q_att, cache, seqlens, rope_cs, 1.0 / std::sqrt(static_cast<double>(nope + rope)), o_lat, lse, r,
+                 plan, sh.split, capturing);
   step_mark("attention");
   // ---- 6. W_UV per head ([H, bs, r] x [H, r, v] into obuf [bs, H, v] seen head-major), then wo
-  w_uv(ws, s_olat, s_obuf, w_kvu, bs, H, r, nope, v);
+  w_uv(ws, sh.s_olat, sh.s_obuf, w_kvu, bs, H, r, nope, v);
   step_mark("w_uv");
   at::Tensor y = at::empty({bs, 1, dim}, x.options());
   at::Tensor y2 = carve(y, 0, {bs, dim}, {dim, 1}, bf16);
-  const at::Tensor o2 = carve(ws, s_obuf, {bs, H * v}, {H * v, 1}, bf16);
+  const at::Tensor o2 = carve(ws, sh.s_obuf, {bs, H * v}, {H * v, 1}, bf16);
   if ((want & kStepWoLt) && gemm_nt_lt(o2, w_o, y2))
     ran |= kStepWoLt;
   else
@@ -287,9 +421,10 @@ std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at:
               true);
   check_input(w_o, "config.wo_weight", dev, {dim, H * v}, "[dim, n_heads * v]", true);
   if (rope_cs.device() != dev || rope_cs.scalar_type() != at::kBFloat16 || rope_cs.dim() != 2 ||
-      rope_cs.size(0) < max_len || rope_cs.size(1) != rope || !rope_cs.is_contiguous())
-    fail_value("decode_step: rope_cs must be a contiguous bf16 [>= max_seq_len, rope] table on " + dev.str() +
-               ", got " + shape_str(rope_cs));
+      rope_cs.size(0) < max_len || rope_cs.size(1) != rope || !rope_cs.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(rope_cs.data_ptr()) % 16 != 0)
+    fail_value("decode_step: rope_cs must be a contiguous bf16 [>= max_seq_len, rope] table with a 16-byte aligned "
+               "base on " + dev.str() + ", got " + shape_str(rope_cs));
 
   step_mark("checks");
   c10::cuda::CUDAGuard guard(dev);
@@ -302,8 +437,8 @@ std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at:
   key.add(rope_cs);
   key.add(want);
   step_mark("key");
-  const StepOut out = run_step(key, static_cast<int32_t>(pos + 1), [&](int32_t* len_slot) -> StepOut {
-    return enqueue_step(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, rope_cs, cfg, pos, want, len_slot);
+  const StepOut out = run_step(key, static_cast<int32_t>(pos + 1), [&](int32_t* len_slot, bool capturing) -> StepOut {
+    return enqueue_step(x, w_qd, w_kvd, w_qu, w_kvu, w_o, cache, rope_cs, cfg, pos, want, len_slot, capturing);
   });
   step_marks_print(dev.index(), out.ran);
   return {out.y, out.ran};

@@ -171,7 +171,7 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
                             MLA_RT(StreamCaptureModeThreadLocal));
     begun = true;
     marks.begun = Clock::now();
-    e->out = enqueue(e->len_slot.data_ptr<int32_t>());
+    e->out = enqueue(e->len_slot.data_ptr<int32_t>(), true);
     marks.enqueued = Clock::now();
     e->graph->capture_end();  // (instantiates)
     marks.ended = Clock::now();
@@ -236,14 +236,14 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
   const stream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(key.device)).stream();
   bool capturing = false;
   check_launch(stream_capturing(stream, &capturing), "decode step");
-  if (capturing || graphs_off()) return enqueue(nullptr);  // (a caller's capture takes the eager launches)
+  if (capturing || graphs_off()) return enqueue(nullptr, capturing);  // (a caller's capture takes the eager launches)
 
   std::unique_lock<std::mutex> lock(mu);
   {
     DeviceState& ds = device_state(key.device);
     if (ds.no_graphs) {
       lock.unlock();
-      return enqueue(nullptr);
+      return enqueue(nullptr, false);
     }
     for (auto& e : entries)
       if (e->key == key) return replay(*e, ds, len, stream);
@@ -274,7 +274,7 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
       if (ds.recent.size() >= kRecent) ds.recent.erase(ds.recent.begin());
       ds.recent.push_back({key, now});
       lock.unlock();
-      return enqueue(nullptr);
+      return enqueue(nullptr, false);
     }
   }
   // This call runs eagerly, and the step is captured after its launches,
@@ -283,7 +283,7 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
   // replays.
   lock.unlock();
   const Clock::time_point t_call = Clock::now();
-  StepOut out = enqueue(nullptr);
+  StepOut out = enqueue(nullptr, false);
   const Clock::time_point t_eager = Clock::now();
   lock.lock();
   DeviceState& ds = device_state(key.device);

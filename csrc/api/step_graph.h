@@ -47,7 +47,9 @@ struct StepOut {
   at::Tensor y;
   int64_t ran = 0;
 };
-using StepEnqueue = std::function<StepOut(int32_t* len_slot)>;
+// `capturing`: whether the stream is capturing a graph as the step is
+// enqueued (the caller's capture, or the step's own).
+using StepEnqueue = std::function<StepOut(int32_t* len_slot, bool capturing)>;
 
 // Runs the step on the current stream of the current device: replays the
 // graph captured for `key` at length `len`, y copied out into a new tensor
