@@ -50,10 +50,9 @@ def cuda_library_headers(cuda_home):
 
 
 def blas_link_args(cuda_home):
-    """Link arguments for cuBLAS and cuBLASLt (the decode step calls them
-    directly: W_UV and the output projection): the toolkit's libraries, or
-    the ones the CUDA PyTorch wheel installed (nvidia-* wheels carry only the
-    versioned files)."""
+    """Link arguments for cuBLASLt (the decode step calls it directly: W_UV
+    and the output projection): the toolkit's library, or the one the CUDA
+    PyTorch wheel installed (nvidia-* wheels carry only the versioned files)."""
     dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
     try:
         import nvidia
@@ -64,7 +63,7 @@ def blas_link_args(cuda_home):
     except ImportError:
         pass
     args = []
-    for lib in ("cublasLt", "cublas"):
+    for lib in ("cublasLt",):
         for d in dirs:
             if not os.path.isdir(d):
                 continue

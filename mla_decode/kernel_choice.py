@@ -9,7 +9,8 @@ again, for tests and benchmarks that switch it):
   the stage functions of mla_decode.projections put every product they can
   on the Hopper GEMM (a measurement switch; the decode step keeps its
   default choice for W_UV and wo).
-- ``MLA_DECODE_BLASLT=0``: the output projection on PyTorch's default BLAS
+- ``MLA_DECODE_BLASLT=0``: the decode step's W_UV and wo (the stage
+  functions' wo) on PyTorch's default BLAS
   instead of cuBLASLt.
 - The attention kernel (Hopper or portable) is chosen by the extension
   (``MLA_DECODE_ATTN_KERNEL=portable|hopper`` overrides it there);
@@ -180,7 +181,8 @@ def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
 
 
 def blas_lt_path(x) -> bool:
-    """True when the output projection asks for cuBLASLt: a CUDA build of
+    """True when the output stage asks for cuBLASLt (the decode step: W_UV and
+    wo; the stage functions: wo): a CUDA build of
     PyTorch, x on the GPU, MLA_DECODE_BLASLT not 0."""
     return x.is_cuda and torch.version.cuda is not None and _settings.blaslt
 

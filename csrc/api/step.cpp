@@ -8,7 +8,6 @@
 // read as they are now. Which kernel runs each product is the caller's
 // choice (mla_decode/kernel_choice.py, `want`), taken where the operands
 // allow it; the return value says what ran.
-#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
@@ -24,12 +23,8 @@
 #include <mutex>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
-#if !defined(USE_ROCM)
-#include <cublas_v2.h>
-#endif
 
 #include "blas_lt.h"
 #include "checks.h"
@@ -87,48 +82,20 @@ struct Slots {
   }
 };
 
-// torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction: a bool
-// in older PyTorch, an option (0: allowed) in newer.
-template <typename Option>
-bool bf16_reduced_allowed(Option o) {
-  if constexpr (std::is_same_v<Option, bool>)
-    return o;
-  else
-    return static_cast<int>(o) == 0;
-}
-
 // obuf[b, h, :] = o_lat[b, h, :] W_UV[h] for every head (the slots of `ws`
 // at byte offsets s_olat, s_obuf; W_UV[h] = w_kvu[h, nope:, :] transposed):
-// on NVIDIA the strided-batched cuBLAS call that at::bmm_out makes for these
-// operands, made directly (ATen's way there cost 90 us on a cold host),
-// with ATen's BLAS handle (its stream and workspace) and ATen's setting of
-// bf16 reduced-precision reductions; elsewhere at::bmm_out.
-void w_uv(const at::Tensor& ws, int64_t s_olat, int64_t s_obuf, const at::Tensor& w_kvu, int64_t bs, int64_t H,
-          int64_t r, int64_t nope, int64_t v) {
-#if !defined(USE_ROCM)
-  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-  const bool reduced = bf16_reduced_allowed(at::globalContext().allowBF16ReductionCuBLAS());
-  cublasMath_t mode = CUBLAS_DEFAULT_MATH;
-  if (!reduced) {
-    if (cublasGetMathMode(handle, &mode) != CUBLAS_STATUS_SUCCESS ||
-        cublasSetMathMode(handle, static_cast<cublasMath_t>(mode | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)) !=
-            CUBLAS_STATUS_SUCCESS)
-      fail("W_UV: cublasSetMathMode failed");
-  }
-  const float one = 1.f, zero = 0.f;
-  const auto* base = static_cast<const uint8_t*>(ws.data_ptr());
-  const cublasStatus_t st = cublasGemmStridedBatchedEx(
-      handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(v), static_cast<int>(bs), static_cast<int>(r), &one,
-      static_cast<const uint8_t*>(w_kvu.data_ptr()) + nope * r * 2, CUDA_R_16BF, static_cast<int>(r), (nope + v) * r,
-      base + s_olat, CUDA_R_16BF, static_cast<int>(H * r), r, &zero, const_cast<uint8_t*>(base) + s_obuf, CUDA_R_16BF,
-      static_cast<int>(H * v), v, static_cast<int>(H), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
-  if (!reduced) (void)cublasSetMathMode(handle, mode);
-  if (st != CUBLAS_STATUS_SUCCESS) fail("W_UV: cublasGemmStridedBatchedEx failed: status " + num(int64_t{st}));
-#else
+// with `lt`, one strided-batched cuBLASLt product from our plan cache (as
+// wo's; its scratch the slot at s_lt), else, or where cuBLASLt declines, and
+// on AMD, at::bmm_out.
+void w_uv(const at::Tensor& ws, int64_t s_olat, int64_t s_obuf, int64_t s_lt, const at::Tensor& w_kvu, int64_t bs,
+          int64_t H, int64_t r, int64_t nope, int64_t v, bool lt) {
+  auto* base = static_cast<uint8_t*>(ws.data_ptr());
+  if (lt && gemm_nt_lt_batched(base + s_olat, H * r, r, static_cast<const uint8_t*>(w_kvu.data_ptr()) + nope * r * 2,
+                               r, (nope + v) * r, base + s_obuf, H * v, v, bs, v, r, H, ws, base + s_lt))
+    return;
   at::Tensor obuf_t = carve(ws, s_obuf, {H, bs, v}, {v, H * v, 1}, at::kBFloat16);
   at::bmm_out(obuf_t, carve(ws, s_olat, {H, bs, r}, {r, H * r, 1}, at::kBFloat16),
               carve(w_kvu, nope * r * 2, {H, r, v}, {(nope + v) * r, 1, r}, at::kBFloat16));
-#endif
 }
 
 // What a step's sizes alone decide (the device, the layer's sizes, the
@@ -148,7 +115,7 @@ struct StepShape {
   bool down_ok = false;  // our GEMM takes the down stage at these sizes (alignment is the call's to check)
   GemmConfig down{};
   int64_t s_down = 0, s_lens = 0, s_plan = 0, s_qlora = 0, s_kvnew = 0, s_q = 0, s_olat = 0, s_lse = 0, s_obuf = 0,
-          bytes = 0;
+          s_lt = 0, bytes = 0;
 };
 
 StepShape make_step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef<int64_t> cfg, int64_t want) {
@@ -175,6 +142,7 @@ StepShape make_step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef
   s.s_olat = sl.add(bs * H * r * 2);
   s.s_lse = sl.add(bs * H * 4);
   s.s_obuf = sl.add(bs * H * v * 2);
+  s.s_lt = sl.add((want & kStepWoLt) ? kLtScratchBytes : 0);  // (cuBLASLt's, for W_UV and then wo)
   s.bytes = sl.bytes;
   return s;
 }
@@ -356,15 +324,17 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
                  plan, sh.split, capturing);
   step_mark("attention");
   // ---- 6. W_UV per head ([H, bs, r] x [H, r, v] into obuf [bs, H, v] seen head-major), then wo
-  w_uv(ws, sh.s_olat, sh.s_obuf, w_kvu, bs, H, r, nope, v);
+  const bool lt = want & kStepWoLt;
+  w_uv(ws, sh.s_olat, sh.s_obuf, sh.s_lt, w_kvu, bs, H, r, nope, v, lt);
   step_mark("w_uv");
   at::Tensor y = at::empty({bs, 1, dim}, x.options());
-  at::Tensor y2 = carve(y, 0, {bs, dim}, {dim, 1}, bf16);
-  const at::Tensor o2 = carve(ws, sh.s_obuf, {bs, H * v}, {H * v, 1}, bf16);
-  if ((want & kStepWoLt) && gemm_nt_lt(o2, w_o, y2))
+  if (lt && gemm_nt_lt_batched(ptr_of<const void>(ws, sh.s_obuf), H * v, 0, w_o.data_ptr(), H * v, 0, y.data_ptr(),
+                               dim, 0, bs, dim, H * v, 1, ws, ptr_of<void>(ws, sh.s_lt))) {
     ran |= kStepWoLt;
-  else
-    at::mm_out(y2, o2, w_o.t());
+  } else {
+    at::Tensor y2 = carve(y, 0, {bs, dim}, {dim, 1}, bf16);
+    at::mm_out(y2, carve(ws, sh.s_obuf, {bs, H * v}, {H * v, 1}, bf16), w_o.t());
+  }
   step_mark("wo");
   StepOut out;
   out.y = y;
