@@ -6,6 +6,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <climits>
@@ -173,6 +174,7 @@ bool gemm_nt_lt(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   check_shape(y, "y", {m, n}, "[m, n]");
   for (const at::Tensor* t : {&x, &w, static_cast<const at::Tensor*>(&y)}) check_last_dim_contiguous(*t, "gemm_nt_lt operand");
   const LtGemm g{x.data_ptr(), x.stride(0), 0, w.data_ptr(), w.stride(0), 0, y.data_ptr(), y.stride(0), 0, m, n, k, 1};
+  c10::cuda::CUDAGuard guard(x.device());  // (cuBLASLt's handle and the stream: x's device's)
   return run_lt(g, x.get_device(), x.options(), nullptr);
 }
 

@@ -19,9 +19,10 @@ constexpr int64_t kLtScratchBytes = int64_t{4} << 20;
 // decode step's W_UV per head, and its wo with batch 1): y_b [m, n] = x_b
 // [m, k] w_b [n, k]^T for b < batch, bf16, unit last strides, ld* row
 // strides and s* batch strides in elements; on the current stream of
-// `like`'s device, with `scratch` (kLtScratchBytes, 256-byte aligned,
-// stream-ordered like the operands) or, if null, scratch allocated like
-// `like`. False as above, and where a batch stride breaks the alignment.
+// `like`'s device, which must be the current device (the caller's guard),
+// with `scratch` (kLtScratchBytes, 256-byte aligned, stream-ordered like the
+// operands) or, if null, scratch allocated like `like`. False as above, and
+// where a batch stride breaks the alignment.
 bool gemm_nt_lt_batched(const void* x, int64_t ldx, int64_t sx, const void* w, int64_t ldw, int64_t sw, void* y,
                         int64_t ldy, int64_t sy, int64_t m, int64_t n, int64_t k, int64_t batch,
                         const at::Tensor& like, void* scratch);
