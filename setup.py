@@ -49,10 +49,10 @@ def cuda_library_headers(cuda_home):
     return sorted(set(found))
 
 
-def blas_link_args(cuda_home):
+def cublaslt_link_args(cuda_home):
     """Link arguments for cuBLASLt (the decode step calls it directly: W_UV
     and the output projection): the toolkit's library, or the one the CUDA
-    PyTorch wheel installed (nvidia-* wheels carry only the versioned files)."""
+    PyTorch wheel installed (nvidia-* wheels carry only the versioned file)."""
     dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
     try:
         import nvidia
@@ -62,21 +62,15 @@ def blas_link_args(cuda_home):
                     dirs.append(root)
     except ImportError:
         pass
-    args = []
-    for lib in ("cublasLt",):
-        for d in dirs:
-            if not os.path.isdir(d):
-                continue
-            names = sorted(f for f in os.listdir(d) if f.startswith(f"lib{lib}.so"))
-            if f"lib{lib}.so" in names:
-                args += [f"-L{d}", f"-l{lib}", f"-Wl,-rpath,{d}"]
-                break
-            if names:
-                args += [f"-L{d}", f"-l:{names[0]}", f"-Wl,-rpath,{d}"]
-                break
-        else:
-            raise RuntimeError(f"lib{lib} not found (looked in {dirs}); the CUDA build links it")
-    return args
+    for d in dirs:
+        if not os.path.isdir(d):
+            continue
+        names = sorted(f for f in os.listdir(d) if f.startswith("libcublasLt.so"))
+        if "libcublasLt.so" in names:
+            return [f"-L{d}", "-lcublasLt", f"-Wl,-rpath,{d}"]
+        if names:
+            return [f"-L{d}", f"-l:{names[0]}", f"-Wl,-rpath,{d}"]
+    raise RuntimeError(f"cuBLASLt not found (looked in {dirs}); the CUDA build links it")
 
 
 def extension():
@@ -114,7 +108,7 @@ def extension():
         cxx = ["-O3", std, f'-DMLA_BUILD_ARCHS="{label}"'] + ["-I" + i for i in incs]
         nvcc = ["-O3", std, "-lineinfo", "--expt-relaxed-constexpr", f'-DMLA_BUILD_ARCHS="{label}"']
         return ce.CUDAExtension("mla_decode._C", srcs, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-                                extra_link_args=blas_link_args(ce.CUDA_HOME)), None
+                                extra_link_args=cublaslt_link_args(ce.CUDA_HOME)), None
     return None, f"PyTorch {torch.__version__} has no CUDA/HIP support or no toolkit was found (CUDA_HOME={ce.CUDA_HOME})"
 
 
