@@ -33,12 +33,13 @@ from . import _ext
 
 __all__ = ["Settings", "settings", "reload_settings", "hopper", "sm_count", "attention_kernel", "gemm_path",
            "query_path", "blas_lt_path", "step_want", "STEP_DOWN_OWN", "STEP_QUERY_FUSED", "STEP_WO_LT",
-           "STEP_GRAPH", "STEP_CAPTURED", "describe_step_paths"]
+           "STEP_GRAPH", "STEP_CAPTURED", "STEP_PLAN_IN_QUERY", "describe_step_paths"]
 
 # the decode step's paths (mla_decode._C.decode_step's `want` and its report)
 STEP_DOWN_OWN, STEP_QUERY_FUSED, STEP_WO_LT = 1, 2, 4
 STEP_GRAPH = 8  # reported only: the call replayed the step's captured graph
 STEP_CAPTURED = 16  # reported only: the call ran eagerly, then captured the step for the next call to replay
+STEP_PLAN_IN_QUERY = 32  # reported only: the fused query wrote the attention's lengths and plan (no planner kernel)
 
 
 @dataclass(frozen=True)
@@ -209,9 +210,13 @@ def step_want(device, dims) -> int:
 
 def describe_step_paths(bits: int) -> dict:
     """The decode step's paths as names (MLADecoder.last_paths); ``captured``:
-    the call's eager step was then captured for the next call to replay."""
+    the call's eager step was then captured for the next call to replay;
+    ``plan``: what made the attention's lengths and plan (the fused query
+    itself where the batch is not split and the step runs eagerly or in the
+    caller's capture, else the planner kernel)."""
     return dict(down="sm90 GEMM" if bits & STEP_DOWN_OWN else "vendor BLAS",
                 query="fused sm90 query" if bits & STEP_QUERY_FUSED else "vendor BLAS + rope_append",
+                plan="fused query" if bits & STEP_PLAN_IN_QUERY else "planner kernel",
                 wo="cuBLASLt" if bits & STEP_WO_LT else "vendor BLAS (PyTorch default)",
                 launch="graph replay" if bits & STEP_GRAPH else "eager",
                 captured=bool(bits & STEP_CAPTURED))

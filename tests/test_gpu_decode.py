@@ -218,6 +218,78 @@ def test_step_without_split_matches_the_reference():
     assert_task_rule(kv.data, data_ref, "cache")
 
 
+def _unsplit_batch():
+    info = mla_decode._ext.attention_info(0)
+    bs = max(1, info.sms * info.blocks_per_sm // -(-128 // info.rows_per_block))
+    assert not mla_decode.splits_possible(bs, 1, 128, "cuda")
+    return bs
+
+
+def test_plan_written_by_the_query_matches_the_planner_bit_for_bit():
+    """At a batch that is not split, an eager step's fused query writes the
+    attention's lengths and plan (no planner kernel); the replay of the
+    step captured from that call plans with the planner kernel. Both give
+    the same bits, at the same position on the same cache contents, across a
+    64-key boundary and at a partial last half."""
+    if not mla_decode.kernel_choice.hopper("cuda"):
+        pytest.skip("the fused query runs on Hopper GPUs only")
+    bs = _unsplit_batch()
+    mla_decode.release_cached()
+    for prefill in (127, 128, 300):
+        config, x, kv = generate_input(batch_size=bs, prefill=prefill, max_seq_len=512, seed=prefill, device="cuda")
+        before = kv.data.clone()
+        dec = mla_decode.MLADecoder(backend="kernels")
+        y1, _ = dec(config, x, kv)
+        assert dec.last_paths["launch"] == "eager" and dec.last_paths["plan"] == "fused query", dec.last_paths
+        assert dec.last_paths["captured"], dec.last_paths
+        after = kv.data.clone()
+        kv.data.copy_(before)  # (the same tensor: the captured step's operands)
+        kv.seq_len = prefill
+        y2, _ = dec(config, x, kv)
+        assert dec.last_paths["launch"] == "graph replay" and dec.last_paths["plan"] == "planner kernel"
+        assert torch.equal(y1, y2), f"prefill {prefill}: y differs between the two plans"
+        assert torch.equal(kv.data, after), f"prefill {prefill}: caches differ"
+        y_ref, _ = ref_kernel((config, x, _rewound(kv, before, prefill)), batch_chunk=8)
+        assert_task_rule(y1, y_ref, f"y at prefill {prefill}")
+    mla_decode.release_cached()
+
+
+def _rewound(kv, data, seq_len):
+    c = kv.clone()
+    c.data.copy_(data)
+    c.seq_len = seq_len
+    return c
+
+
+def test_unsplit_step_inside_a_user_capture():
+    """The plan written by the fused query, captured into the caller's graph:
+    each replay repeats the step at the captured position, as the eager call
+    does."""
+    if not mla_decode.kernel_choice.hopper("cuda"):
+        pytest.skip("the fused query runs on Hopper GPUs only")
+    bs = _unsplit_batch()
+    config, x, kv = generate_input(batch_size=bs, prefill=60, max_seq_len=96, seed=45, device="cuda")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    dec(config, x, kv.clone())  # (the sizes' first call on this GPU, outside the capture)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        dec(config, x, kv.clone())
+    torch.cuda.current_stream().wait_stream(s)
+    kv_e = kv.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg, _ = dec(config, x, kv)
+    assert dec.last_paths["plan"] == "fused query", dec.last_paths
+    kv.data.fill_(float("nan"))  # (rows past the length are never read; the replay rewrites the rest below)
+    kv.data[:, :60].copy_(kv_e.data[:, :60])
+    g.replay()
+    ye, _ = dec(config, x, kv_e)
+    torch.cuda.synchronize()
+    assert torch.equal(yg, ye)
+    assert torch.equal(kv.data[:, :61], kv_e.data[:, :61])
+
+
 def test_decoder_call_inside_a_user_capture():
     """A call made while the user's stream captures is enqueued into the
     user's graph; replaying it does what the call does."""
@@ -262,6 +334,6 @@ def test_last_paths_say_what_ran():
     config, x, kv = generate_input(batch_size=8, prefill=10, seed=6, device="cuda")
     dec = mla_decode.MLADecoder(backend="kernels")
     dec(config, x, kv)
-    assert set(dec.last_paths) == {"down", "query", "wo", "launch", "captured"}
+    assert set(dec.last_paths) == {"down", "query", "plan", "wo", "launch", "captured"}
     if mla_decode.kernel_choice.hopper("cuda"):
         assert dec.last_paths["down"] == "sm90 GEMM" and dec.last_paths["query"] == "fused sm90 query"

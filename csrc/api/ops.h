@@ -97,8 +97,17 @@ void release_cached();
 
 // What decode_step's `want` asks for and its second result says ran.
 // Reported only: kStepGraph, the step was a replay of its captured graph; kStepCaptured, the step
-// ran eagerly and was then captured for the next call to replay (step_graph.h).
-enum StepPath : int64_t { kStepDownOwn = 1, kStepQueryFused = 2, kStepWoLt = 4, kStepGraph = 8, kStepCaptured = 16 };
+// ran eagerly and was then captured for the next call to replay (step_graph.h); kStepPlanInQuery, the
+// fused query wrote the attention's lengths and plan (no planner launch: a batch that is not split, at a
+// length known on the host).
+enum StepPath : int64_t {
+  kStepDownOwn = 1,
+  kStepQueryFused = 2,
+  kStepWoLt = 4,
+  kStepGraph = 8,
+  kStepCaptured = 16,
+  kStepPlanInQuery = 32
+};
 
 // One decode step of the layer (step.cpp): x [bs, 1, dim]; the task's five
 // weights; cache [bs, max_seq_len, kv_lora + rope] with the new row going to

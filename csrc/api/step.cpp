@@ -25,7 +25,6 @@
 #include <tuple>
 #include <vector>
 
-
 #include "blas_lt.h"
 #include "checks.h"
 #include "ops.h"
@@ -208,14 +207,67 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   pp.plan = ptr_of<int32_t>(ws, sh.s_plan);
   pp.fill_len = static_cast<int32_t>(pos + 1);  // (a captured step reads it from *len_slot)
   pp.len_slot = len_slot;
-  check_launch(launch_plan(pp, stream), "decode step lengths and plan");
-  step_mark("plan");
+  const at::Tensor seqlens = carve(ws, sh.s_lens, {bs}, {1}, at::kInt);
+  bf16_t* const q_lora_p = ptr_of<bf16_t>(ws, sh.s_qlora);
+  bf16_t* const kv_new_p = ptr_of<bf16_t>(ws, sh.s_kvnew);
+
+  // the fused query's parameters, made before any launch: whether it takes
+  // the call decides who makes the attention's lengths and plan
+  QueryParams qp{};
+  qp.q_lora = q_lora_p;
+  qp.q_lora_stride = q_lora;
+  qp.w_qu = ptr_of<const bf16_t>(w_qu);
+  qp.w_qu_stride = q_lora;
+  qp.w_uk = ptr_of<const bf16_t>(w_kvu);  // W_UK[h] = w_kvu rows h * (nope + v) ... + nope
+  qp.w_uk_row_stride = r;
+  qp.w_uk_head_stride = (nope + v) * r;
+  qp.q_abs = ptr_of<bf16_t>(ws, sh.s_q);
+  qp.qa_head_stride = bs * d;
+  qp.qa_row_stride = d;
+  qp.q_pe = ptr_of<bf16_t>(ws, sh.s_q + r * 2);
+  qp.qp_row_stride = d;
+  qp.qp_head_stride = bs * d;
+  qp.m = static_cast<int>(bs);
+  qp.k = static_cast<int>(q_lora);
+  qp.heads = static_cast<int>(H);
+  qp.nope = static_cast<int>(nope);
+  qp.rope = static_cast<int>(rope);
+  qp.r = static_cast<int>(r);
+  qp.pdl = true;
+  RopeAppendParams& ra = qp.ra;  // the append (q_pe rotated as it is stored: ra's q_pe / q_out unused)
+  ra.q_out = qp.q_pe;
+  ra.o_b_stride = d;
+  ra.o_h_stride = bs * d;
+  ra.kv_new = kv_new_p;
+  ra.kv_b_stride = d;
+  ra.cache = ptr_of<bf16_t>(cache);
+  ra.c_b_stride = cache.stride(0);
+  ra.c_row_stride = cache.stride(1);
+  ra.seqlens = pp.seqlens;
+  ra.rope_cs = ptr_of<const bf16_t>(rope_cs);
+  ra.bs = static_cast<int>(bs);
+  ra.heads = static_cast<int>(H);
+  ra.rope = static_cast<int>(rope);
+  ra.width = static_cast<int>(d);
+  ra.max_len = static_cast<int>(max_len);
+  ra.positions = static_cast<int>(std::min<int64_t>(rope_cs.size(0), INT32_MAX));
+  // A batch that is not split, at a length known here (not a captured
+  // step's, which the planner reads and advances on the device): the fused
+  // query writes the lengths and the one-part-per-sequence plan itself, so no
+  // planner launch comes before the down GEMM (a launch less on the host's
+  // path to the attention in every fresh-input call)
+  const bool plan_wished = (want & kStepQueryFused) && !sh.split && len_slot == nullptr;
+  if (plan_wished) qp.plan = pp;
+  const bool query_ok = (want & kStepQueryFused) && query_sm90_check(qp) == nullptr;
+  const bool plan_in_query = plan_wished && query_ok;
+  if (!plan_in_query) {
+    check_launch(launch_plan(pp, stream), "decode step lengths and plan");
+    step_mark("plan");
+  }
 
   // ---- 1-2. down-projections: q_lora and the new latent row (the host
   // prepares the rest while they run)
   int64_t ran = 0;
-  bf16_t* const q_lora_p = ptr_of<bf16_t>(ws, sh.s_qlora);
-  bf16_t* const kv_new_p = ptr_of<bf16_t>(ws, sh.s_kvnew);
   bool own_down = false;
   if (sh.down_ok) {
     GemmParams p{};
@@ -225,7 +277,7 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
     p.k = static_cast<int>(dim);
     p.batch = 1;
     p.nseg = 2;
-    p.pdl = true;
+    p.pdl = !plan_in_query;  // (as the step's first kernel it waits for all before it)
     p.seg[0].w = ptr_of<const bf16_t>(w_qd);
     p.seg[0].w_row_stride = dim;
     p.seg[0].n = static_cast<int>(q_lora);
@@ -256,52 +308,11 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   step_mark("down");
   // ---- 3-4. query: up-projection, W_UK absorption, RoPE of q_pe, the cache append
   // (the attention's query, head-major [H, bs, d]: q_abs its first r columns, q_rot [bs, H, rope] the rest rotated)
-  const at::Tensor seqlens = carve(ws, sh.s_lens, {bs}, {1}, at::kInt);
   bool fused = false;
-  if (want & kStepQueryFused) {
-    QueryParams p{};
-    p.q_lora = q_lora_p;
-    p.q_lora_stride = q_lora;
-    p.w_qu = ptr_of<const bf16_t>(w_qu);
-    p.w_qu_stride = q_lora;
-    p.w_uk = ptr_of<const bf16_t>(w_kvu);  // W_UK[h] = w_kvu rows h * (nope + v) ... + nope
-    p.w_uk_row_stride = r;
-    p.w_uk_head_stride = (nope + v) * r;
-    p.q_abs = ptr_of<bf16_t>(ws, sh.s_q);
-    p.qa_head_stride = bs * d;
-    p.qa_row_stride = d;
-    p.q_pe = ptr_of<bf16_t>(ws, sh.s_q + r * 2);
-    p.qp_row_stride = d;
-    p.qp_head_stride = bs * d;
-    p.m = static_cast<int>(bs);
-    p.k = static_cast<int>(q_lora);
-    p.heads = static_cast<int>(H);
-    p.nope = static_cast<int>(nope);
-    p.rope = static_cast<int>(rope);
-    p.r = static_cast<int>(r);
-    p.pdl = true;
-    RopeAppendParams& ra = p.ra;  // the append (q_pe rotated as it is stored: ra's q_pe / q_out unused)
-    ra.q_out = p.q_pe;
-    ra.o_b_stride = d;
-    ra.o_h_stride = bs * d;
-    ra.kv_new = kv_new_p;
-    ra.kv_b_stride = d;
-    ra.cache = ptr_of<bf16_t>(cache);
-    ra.c_b_stride = cache.stride(0);
-    ra.c_row_stride = cache.stride(1);
-    ra.seqlens = pp.seqlens;
-    ra.rope_cs = ptr_of<const bf16_t>(rope_cs);
-    ra.bs = static_cast<int>(bs);
-    ra.heads = static_cast<int>(H);
-    ra.rope = static_cast<int>(rope);
-    ra.width = static_cast<int>(d);
-    ra.max_len = static_cast<int>(max_len);
-    ra.positions = static_cast<int>(std::min<int64_t>(rope_cs.size(0), INT32_MAX));
-    if (query_sm90_check(p) == nullptr) {
-      check_launch(launch_query_sm90(p, stream), "fused query launch");
-      fused = true;
-      ran |= kStepQueryFused;
-    }
+  if (query_ok) {
+    check_launch(launch_query_sm90(qp, stream), "fused query launch");
+    fused = true;
+    ran |= kStepQueryFused | (plan_in_query ? kStepPlanInQuery : 0);
   }
   if (!fused) {
     const at::Tensor w_uk = carve(w_kvu, 0, {H, nope, r}, {(nope + v) * r, r, 1}, bf16);

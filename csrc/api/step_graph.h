@@ -38,11 +38,12 @@ struct StepKey {
 StepKey step_key_prefix(const at::Tensor& x, std::initializer_list<const at::Tensor*> weights,
                         const at::Tensor& cache, c10::ArrayRef<int64_t> cfg);
 
-// One step enqueued on the current stream: y and the paths taken. The step
-// starts with the planner's launch that writes its lengths and the
-// attention's split plan; with a null `len_slot` the length is the call's
-// own, otherwise (a captured step) the planner reads it from *len_slot and
-// advances it (PlanParams::len_slot).
+// One step enqueued on the current stream: y and the paths taken. With a
+// null `len_slot` the length is the call's own (written to the device by the
+// planner's launch, or, for a batch that is not split, by the fused query
+// with the plan); otherwise (a captured step) the step starts with the
+// planner's launch, which reads the length from *len_slot and advances it
+// (PlanParams::len_slot).
 struct StepOut {
   at::Tensor y;
   int64_t ran = 0;

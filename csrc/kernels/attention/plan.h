@@ -51,4 +51,31 @@ struct PlanParams {
                            // a row per call, 0 for calls that repeat one length on fresh caches)
 };
 
+// The plan plan_kernel makes with no_split when every one of the p.bs
+// sequences has length p.fill_len (a decode step's batch), and the lengths
+// into p.fill_lens: the same ints, written by threads `lane` of `lanes` of a
+// kernel that runs before the attention anyway (the fused query), so that
+// such a call needs no planner launch. A sequence is one part of all its
+// tiles; parts in sequence order (longest-first among equal lengths); the
+// work counter pair zeroed. p.plan must hold plan_size(p.bs, p.bs) ints.
+MLA_HOST_DEVICE void write_uniform_plan(const PlanParams& p, int lane, int lanes) {
+  const int L = p.fill_len < 0 ? 0 : (p.fill_len > p.max_len ? p.max_len : p.fill_len);
+  const int tiles = L > 0 ? (L + p.tile - 1) / p.tile : 0;
+  int32_t* const parts = p.plan + plan_part_base(p.bs);
+  for (int b = lane; b < p.bs; b += lanes) {
+    p.fill_lens[b] = p.fill_len;
+    p.plan[kPlanSeqBase + 2 * b] = 1;      // splits
+    p.plan[kPlanSeqBase + 2 * b + 1] = b;  // first part
+    int4* out = reinterpret_cast<int4*>(parts + kPartInts * b);  // (32-byte aligned: plan_part_base)
+    out[0] = make_int4(b, 0, tiles, 0);  // sequence, first tile, end tile, split index
+    out[1] = make_int4(1, b, L, 0);      // splits, first part, length
+  }
+  if (lane == 0) {
+    p.plan[0] = p.bs;
+    p.plan[1] = tiles > 1 ? tiles : 1;
+    p.plan[plan_counter(p.bs, p.bs)] = 0;
+    p.plan[plan_counter(p.bs, p.bs) + 1] = 0;
+  }
+}
+
 }  // namespace mla

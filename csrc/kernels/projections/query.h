@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "../../platform/bf16.h"
+#include "../attention/plan.h"
 #include "rope_append.h"
 
 namespace mla {
@@ -35,6 +36,11 @@ struct QueryParams {
   int64_t qp_row_stride, qp_head_stride;
   int m, k, heads, nope, rope, r;
   RopeAppendParams ra;  // append when ra.seqlens != nullptr (its q_pe and q_out fields unused: q_pe above is written)
+  // With append, plan.plan != nullptr: every sequence's length is plan.fill_len (positions plan.fill_len - 1;
+  // ra.seqlens is not read), and block 0 writes the lengths to plan.fill_lens and the attention's plan for
+  // them (write_uniform_plan: plan.no_split, plan.max_parts == plan.bs == m) once kv_new has landed, in
+  // place of a planner launch. The attention after this kernel reads both.
+  PlanParams plan;
   bool pdl;  // launch as a programmatic dependent (the weights stream before the wait for q_lora)
 };
 

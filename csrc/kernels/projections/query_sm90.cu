@@ -61,16 +61,17 @@ struct QueryMaps {
 
 // rope_append's cache rows for sequences b0, b0 + step, ... (one warp,
 // `lane` 0-31): cache[b, pos] = kv_new[b] and kpe_out[b, pos] =
-// rot(kv_new[b, width - rope:]), pos = seqlens[b] - 1 (none outside the
+// rot(kv_new[b, width - rope:]), pos = seqlens[b] - 1, or fill_len - 1 for
+// every b where fill_len >= 0 (none outside the
 // cache). Each lane's loads are issued before its stores: 16-byte pieces
 // where the rows allow, in a warp of its own (a one-element-per-lane loop of
 // dependent loads and stores in the producer's warp starves its TMA lane).
-MLA_DEVICE void append_rows(const RopeAppendParams& ra, int b0, int step, int lane) {
+MLA_DEVICE void append_rows(const RopeAppendParams& ra, int b0, int step, int lane, int fill_len) {
   pdl_wait();  // kv_new is the previous kernel's output
   constexpr int half = kRope / 2;
   const int lim = min(ra.max_len, ra.positions);
   for (int b = b0; b < ra.bs; b += step) {
-    const int pos = ra.seqlens[b] - 1;
+    const int pos = (fill_len >= 0 ? fill_len : ra.seqlens[b]) - 1;
     if (pos < 0 || pos >= lim) continue;
     const bf16_t* src = ra.kv_new + b * ra.kv_b_stride;
     bf16_t* dst = ra.cache + b * ra.c_b_stride + static_cast<int64_t>(pos) * ra.c_row_stride;
@@ -135,7 +136,12 @@ __global__ void __launch_bounds__(kQThreads, 1)
 
   if (tid >= 288) {  // the append warp: with append, the new cache rows (and their rotated k_pe) of
                      // sequences h, h + heads, ..., once kv_new has landed
-    if (p.ra.seqlens != nullptr) append_rows(p.ra, h, static_cast<int>(gridDim.x), tid - 288);
+    if (p.ra.seqlens != nullptr) {
+      const bool planned = p.plan.plan != nullptr;
+      append_rows(p.ra, h, static_cast<int>(gridDim.x), tid - 288, planned ? p.plan.fill_len : -1);
+      // (after append_rows's pdl_wait: the previous kernels are done with this memory)
+      if (planned && h == 0) write_uniform_plan(p.plan, tid - 288, 32);
+    }
     return;
   }
   if (tid >= 256) {  // the producer warp; one lane issues
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(kQThreads, 1)
     for (int hr = 0; hr < 2; ++hr) {
       const int row = r0 + 8 * hr;
       if (row >= p.m) continue;
-      const int pos = p.ra.seqlens[row] - 1;
+      const int pos = (p.plan.plan != nullptr ? p.plan.fill_len : p.ra.seqlens[row]) - 1;
       if (pos < 0 || pos >= lim) continue;  // (rope_append writes nothing for such a sequence either)
       const bf16_t* cs = p.ra.rope_cs + static_cast<int64_t>(pos) * kRope + 2 * t4;
       bf16_t* o = qp + row * p.qp_row_stride;
@@ -339,6 +345,12 @@ const char* query_sm90_check(const QueryParams& p) {
     return "query_sm90: q_abs needs a 16-byte aligned base and strides that are multiples of 8 elements";
   if (reinterpret_cast<uintptr_t>(p.q_pe) % 4 != 0 || p.qp_row_stride % 2 != 0 || p.qp_head_stride % 2 != 0)
     return "query_sm90: q_pe needs a 4-byte aligned base and even strides";
+  if (p.plan.plan != nullptr &&
+      (p.ra.seqlens == nullptr || p.plan.fill_lens == nullptr || p.plan.no_split != 1 || p.plan.bs != p.m ||
+       p.plan.max_parts != p.plan.bs || p.plan.tile < 1 || p.plan.fill_len < 1 || p.plan.max_len < 0 ||
+       reinterpret_cast<uintptr_t>(p.plan.plan) % 32 != 0))
+    return "query_sm90: the plan it writes needs the append, a lengths buffer, a length >= 1 and a 32-byte aligned "
+           "no-split plan of one part per row of q_lora";
   int sms = 0, smem_max = 0;
   if (!sm90_device_limits(&sms, &smem_max)) return "query_sm90: cannot query the device";
   if (layout(p.m, p.k, p.r, smem_max).stages < 2)
