@@ -165,6 +165,41 @@ def test_one_decoder_shared_by_threads():
         assert torch.equal(kv.data, c.data)
 
 
+def test_threads_sharing_one_stream_with_new_inputs_every_call():
+    """Threads on one stream (the default one) each decode their own cache
+    with a new x every call, so most calls run eagerly and contend for that
+    stream's one workspace; every y equals a single-threaded run."""
+    n, steps = 4, 8
+    inputs = [_inputs(bs=8, seed=40 + i, prefill=90 + 7 * i) for i in range(n)]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    xs = [[torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(steps)]
+          for _, x, _ in inputs]
+    expect = []
+    d = mla_decode.MLADecoder(backend="kernels")
+    for (config, _, kv), xi in zip(inputs, xs):
+        c = kv.clone()
+        expect.append([d(config, x, c)[0].clone() for x in xi])
+    torch.cuda.synchronize()
+    errors = []
+
+    def run(i):
+        try:
+            config, _, kv = inputs[i]
+            dec = mla_decode.MLADecoder(backend="kernels")
+            ys = [dec(config, x.clone(), kv)[0] for x in xs[i]]
+            torch.cuda.current_stream().synchronize()
+            errors.extend(f"thread {i} step {k}: y differs" for k, y in enumerate(ys) if not torch.equal(y, expect[i][k]))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
 def test_cache_written_by_another_kernel_between_steps():
     """A new request reusing a slot: another kernel (a Triton-like raw write,
     here a graph replay) replaces a sequence's rows; the step reads them."""

@@ -121,6 +121,7 @@ at::Tensor bounded_table_or_build(int device, const BoundedLayout& bl, const at:
 
 void release_cached() {
   release_step_graphs();
+  release_step_workspaces();
   std::lock_guard<std::mutex> lock(bounded_mu);
   for (const BoundedEntry& e : bounded_tables) event_destroy(e.built);
   bounded_tables.clear();

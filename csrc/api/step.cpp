@@ -20,6 +20,7 @@
 #include <array>
 #include <cmath>
 #include <climits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -168,6 +169,66 @@ StepShape step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef<int6
   return s;
 }
 
+// The eager steps' workspaces, one per device and stream (at most
+// kWorkspaces, least recently used first to go): an eager call takes its
+// stream's, made once, instead of a new allocation (on a host whose caches
+// are cold, as in the task's fresh-input calls, the caching allocator's path
+// costs tens of microseconds before the first launch). Every use of one is
+// on its stream, so the stream orders one call's kernels after the last's;
+// its lock is held while a call enqueues, so that two threads on one stream
+// do not interleave their launches over it (a thread that finds it held
+// takes a new allocation instead). Calls made while the stream captures take
+// a new allocation (from the graph's pool), as before.
+struct StepWorkspace {
+  int device = -1;
+  stream_t stream{};
+  at::Tensor ws;
+  std::unique_ptr<std::mutex> busy = std::make_unique<std::mutex>();
+  uint64_t used = 0;
+};
+constexpr size_t kWorkspaces = 4;
+std::mutex workspaces_mu;
+// never destroyed (tensors freed at exit would call into a torn-down runtime)
+std::vector<StepWorkspace>& workspaces = *new std::vector<StepWorkspace>();
+
+struct WorkspaceLease {
+  at::Tensor ws;
+  std::unique_lock<std::mutex> hold;  // (empty for a new allocation)
+};
+
+WorkspaceLease step_workspace(int device, stream_t stream, int64_t bytes, const at::TensorOptions& opt, bool capturing) {
+  const auto fresh = [&] { return WorkspaceLease{at::empty({bytes}, opt), {}}; };
+  if (capturing) return fresh();
+  static uint64_t tick = 0;
+  std::lock_guard<std::mutex> lock(workspaces_mu);
+  StepWorkspace* e = nullptr;
+  for (StepWorkspace& w : workspaces)
+    if (w.device == device && w.stream == stream) e = &w;
+  if (e == nullptr) {
+    if (workspaces.size() >= kWorkspaces) {  // the least recently used one not in use goes
+      auto old = workspaces.end();
+      for (auto it = workspaces.begin(); it != workspaces.end(); ++it) {
+        std::unique_lock<std::mutex> probe(*it->busy, std::try_to_lock);
+        if (probe.owns_lock() && (old == workspaces.end() || it->used < old->used)) old = it;
+      }
+      if (old == workspaces.end()) return fresh();
+      workspaces.erase(old);  // (its memory was used on its stream alone: the allocator may reuse it there)
+    }
+    workspaces.emplace_back();
+    e = &workspaces.back();
+    e->device = device;
+    e->stream = stream;
+  }
+  std::unique_lock<std::mutex> hold(*e->busy, std::try_to_lock);
+  if (!hold.owns_lock()) return fresh();
+  if (!e->ws.defined() || e->ws.numel() < bytes) {
+    e->ws = at::Tensor();  // (stream-ordered: its last use was on this stream)
+    e->ws = at::empty({bytes}, opt);
+  }
+  e->used = ++tick;
+  return WorkspaceLease{e->ws, std::move(hold)};
+}
+
 // t's first element (plus `off` bytes) as a T*.
 template <typename T>
 T* ptr_of(const at::Tensor& t, int64_t off = 0) {
@@ -200,7 +261,8 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   // ---- the workspace: every sequence's length and the attention's split
   // plan, q_lora and the new latent row, the query, the attention's output
   // and LSE, the per-head W_UV output (and the down GEMM's split-K partials)
-  const at::Tensor ws = at::empty({sh.bytes}, x.options().dtype(at::kByte));
+  const WorkspaceLease lease = step_workspace(device, stream, sh.bytes, x.options().dtype(at::kByte), capturing);
+  const at::Tensor& ws = lease.ws;
   step_mark("workspace");
   PlanParams pp = sh.pp;
   pp.seqlens = pp.fill_lens = ptr_of<int32_t>(ws, sh.s_lens);
@@ -354,6 +416,12 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
 }
 
 }  // namespace
+
+void release_step_workspaces() {
+  std::lock_guard<std::mutex> lock(workspaces_mu);
+  for (StepWorkspace& w : workspaces) std::lock_guard<std::mutex> wait(*w.busy);  // (no call enqueueing on it)
+  workspaces.clear();
+}
 
 std::tuple<at::Tensor, int64_t> decode_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd,
                                             const at::Tensor& w_qu, const at::Tensor& w_kvu, const at::Tensor& w_o,

@@ -73,6 +73,9 @@ bool replay_captured(const StepKey& prefix, int32_t len, StepOut* out);
 
 // Drops every captured step (after their last replays have finished).
 void release_step_graphs();
+// Drops the eager steps' workspaces (step.cpp; each waits for a call that
+// is enqueueing on it to finish doing so).
+void release_step_workspaces();
 
 // Diagnostics on stderr, MLA_DECODE_STEP_GRAPH_TRACE: 1, one line per
 // capture with its host time by phase; 2, also one line per eager step with
