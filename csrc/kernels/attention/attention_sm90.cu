@@ -1237,8 +1237,10 @@ template <int kDv, bool kPH>
 const char* launch(const AttnParams& p_in, stream_t stream) {
   using T = PairTile<kDv>;
   static const bool persist = !env_off("MLA_DECODE_PERSIST");
+  static const int cap = env_int("MLA_DECODE_ATTN_CTAS");  // (measurements: fewer persistent blocks)
   AttnParams p = p_in;
   if (!persist) p.ctas = 0;
+  if (cap > 0 && p.ctas > cap) p.ctas = cap;
   constexpr int kRB = kPH ? 32 : T::kM;
   const int64_t items = static_cast<int64_t>(p.max_parts) * ((p.rows + kRB - 1) / kRB);
   const int64_t blocks = p.ctas > 0 ? std::min<int64_t>(p.ctas, items) : items;
