@@ -18,11 +18,13 @@ A measurement: it asserts nothing.
 """
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from common import time_events  # noqa: E402
 
 WO_BYTES = 7168 * 16384 * 2
 
@@ -51,16 +53,8 @@ def stream_kernel():
 
 
 def timed(fn, iters, reps=5):
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(ts)
+    """Median us per call over `iters` event pairs of `reps` calls back to back."""
+    return time_events(fn, iters=iters, warmup=1, batch=reps) * 1e3
 
 
 def one_k(args, k):
