@@ -167,8 +167,10 @@ def test_one_decoder_shared_by_threads():
 
 def test_threads_sharing_one_stream_with_new_inputs_every_call():
     """Threads on one stream (the default one) each decode their own cache
-    with a new x every call, so most calls run eagerly and contend for that
-    stream's one workspace; every y equals a single-threaded run."""
+    with a new x every call, so most calls run eagerly and take turns on
+    that stream's one kept workspace (the GIL orders their enqueues; the
+    kernels of one call may still run while another's are enqueued); every
+    y equals a single-threaded run."""
     n, steps = 4, 8
     inputs = [_inputs(bs=8, seed=40 + i, prefill=90 + 7 * i) for i in range(n)]
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -177,7 +177,8 @@ StepShape step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef<int6
 // on its stream, so the stream orders one call's kernels after the last's;
 // its lock is held while a call enqueues, so that two threads on one stream
 // do not interleave their launches over it (a thread that finds it held
-// takes a new allocation instead). Calls made while the stream captures take
+// takes a new allocation instead; calls from Python hold the GIL while they
+// enqueue, so this guards callers from C++). Calls made while the stream captures take
 // a new allocation (from the graph's pool), as before.
 struct StepWorkspace {
   int device = -1;
