@@ -19,9 +19,10 @@ other threads are all read as they are now). A call with new operands
 than four are captured, and later a step whose operands come back soon
 (csrc/api/step_graph.cpp); calls that repeat them replay it: the same work
 without the host's launches. The state kept is bounded: at most four
-captured steps per process, the RoPE table per device (128 bytes per
-position) and the attention's map tables (bounded_maps.cpp, four per
-process); ``release_cached()`` drops them all.
+captured steps per process, at most four eager-step workspaces (one per GPU
+and stream), the RoPE table per device (128 bytes per position) and the
+attention's map tables (bounded_maps.cpp, four per process);
+``release_cached()`` drops them all.
 
 Every call takes the lean path first (mla_decode._C.fast_step,
 csrc/api/step_fast.cpp): one C function reads the operands' attributes and
@@ -107,9 +108,9 @@ class MLADecoder:
 
     @property
     def last_paths(self):
-        """The last call's paths by stage (down, query, wo, launch) and
+        """The last call's paths by stage (down, query, plan, wo, launch) and
         whether it captured its step (captured), or None after a call on the
-        PyTorch fallback."""
+        PyTorch fallback (kernel_choice.describe_step_paths)."""
         return None if self._ran is None else kernel_choice.describe_step_paths(self._ran)
 
     def __call__(self, config, x, kv_cache):

@@ -244,9 +244,9 @@ T* ptr_of(const at::Tensor& t, int64_t off = 0) {
 // task's fresh-input calls); what depends on addresses (the 16-byte
 // alignment our GEMM and fused query need of the weights) is checked per
 // call, and a product they do not take goes to the vendor BLAS. Every
-// intermediate is a slot of one workspace from the caching allocator
-// (stream-ordered as any allocation; a captured step's comes from the
-// graph's pool), y a tensor of its own. `capturing`: whether the stream
+// intermediate is a slot of one workspace, the stream's kept one
+// (step_workspace) or, while the stream captures, one from the caching
+// allocator (the graph's pool), y a tensor of its own. `capturing`: whether the stream
 // captures (the caller's graph, or the step's own capture).
 StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tensor& w_kvd, const at::Tensor& w_qu,
                      const at::Tensor& w_kvu, const at::Tensor& w_o, const at::Tensor& cache, const at::Tensor& rope_cs,
