@@ -202,6 +202,70 @@ def test_threads_sharing_one_stream_with_new_inputs_every_call():
     assert not errors, errors
 
 
+def _unsplit_bs():
+    info = mla_decode._ext.attention_info(0)
+    return max(1, info.sms * info.blocks_per_sm // -(-128 // info.rows_per_block))
+
+
+def test_unsplit_batch_with_parameters_in_inference_mode_on_the_last_gpu():
+    """The task's kind of batch (not split: the fused query writes the plan,
+    eager calls use the stream's kept workspace) with nn.Parameter weights,
+    under inference_mode, on the process's last GPU while GPU 0 is current
+    (the current one where there is a single GPU), with new x every call."""
+    if not mla_decode.kernel_choice.hopper("cuda"):
+        pytest.skip("the fused query runs on Hopper GPUs only")
+    dev = f"cuda:{torch.cuda.device_count() - 1}"
+    config, x, kv = _inputs(bs=_unsplit_bs(), seed=7, prefill=70, max_seq_len=96, device=dev)
+    cfg = dataclasses.replace(config, **{n: torch.nn.Parameter(getattr(config, n).clone()) for n in NAMES})
+    dec = mla_decode.MLADecoder(backend="kernels")
+    gen = torch.Generator(device=dev).manual_seed(8)
+    xs = [torch.randn(x.shape, generator=gen, device=dev).to(torch.bfloat16) for _ in range(3)]  # (all alive:
+    with torch.inference_mode():                                                                # new addresses)
+        for call, xi in enumerate(xs):
+            y = _check_against_reference(cfg, xi, kv, dec)
+            assert y.device == torch.device(dev) and not y.requires_grad, f"call {call}"
+            assert dec.last_paths["launch"] == "eager" and dec.last_paths["plan"] == "fused query", dec.last_paths
+    assert torch.cuda.current_device() == 0
+
+
+def test_unsplit_batch_from_two_threads_on_their_own_streams():
+    """Two threads run the unsplit batch's eager step (new x every call) on
+    streams of their own, each with its kept workspace; every y equals a
+    single-threaded run."""
+    if not mla_decode.kernel_choice.hopper("cuda"):
+        pytest.skip("the fused query runs on Hopper GPUs only")
+    bs, steps = _unsplit_bs(), 4
+    inputs = [_inputs(bs=bs, seed=50 + i, prefill=40 + 9 * i, max_seq_len=64) for i in range(2)]
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    xs = [[torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(steps)]
+          for _, x, _ in inputs]
+    d = mla_decode.MLADecoder(backend="kernels")
+    expect = []
+    for (cfg, _, kv), xi in zip(inputs, xs):
+        c = kv.clone()
+        expect.append([d(cfg, x, c)[0].clone() for x in xi])
+    torch.cuda.synchronize()
+    errors = []
+
+    def run(i):
+        try:
+            cfg, _, kv = inputs[i]
+            dec = mla_decode.MLADecoder(backend="kernels")
+            with torch.cuda.stream(torch.cuda.Stream()):
+                ys = [dec(cfg, x.clone(), kv)[0] for x in xs[i]]
+                torch.cuda.current_stream().synchronize()
+            errors.extend(f"thread {i} step {k}: y differs" for k, y in enumerate(ys) if not torch.equal(y, expect[i][k]))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
 def test_cache_written_by_another_kernel_between_steps():
     """A new request reusing a slot: another kernel (a Triton-like raw write,
     here a graph replay) replaces a sequence's rows; the step reads them."""
