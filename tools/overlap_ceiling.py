@@ -59,7 +59,6 @@ def timed(fn, iters, reps=5):
 
 def one_k(args, k):
     import mla_decode
-    from mla_decode.reference import generate_input  # noqa: F401  (the package's sizes)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     dev = "cuda"
