@@ -170,7 +170,8 @@ StepShape step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef<int6
 }
 
 // The eager steps' workspaces, one per device and stream (at most
-// kWorkspaces, least recently used first to go): an eager call takes its
+// kWorkspaces per device, that device's least recently used first to go, so
+// that a process driving several GPUs keeps one on each): an eager call takes its
 // stream's, made once, instead of a new allocation (on a host whose caches
 // are cold, as in the task's fresh-input calls, the caching allocator's path
 // costs tens of microseconds before the first launch). Every use of one is
@@ -206,9 +207,12 @@ WorkspaceLease step_workspace(int device, stream_t stream, int64_t bytes, const 
   for (StepWorkspace& w : workspaces)
     if (w.device == device && w.stream == stream) e = &w;
   if (e == nullptr) {
-    if (workspaces.size() >= kWorkspaces) {  // the least recently used one not in use goes
+    size_t on_device = 0;
+    for (const StepWorkspace& w : workspaces) on_device += w.device == device ? 1 : 0;
+    if (on_device >= kWorkspaces) {  // this device's least recently used one not in use goes
       auto old = workspaces.end();
       for (auto it = workspaces.begin(); it != workspaces.end(); ++it) {
+        if (it->device != device) continue;
         std::unique_lock<std::mutex> probe(*it->busy, std::try_to_lock);
         if (probe.owns_lock() && (old == workspaces.end() || it->used < old->used)) old = it;
       }
