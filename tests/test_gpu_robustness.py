@@ -266,6 +266,67 @@ def test_unsplit_batch_from_two_threads_on_their_own_streams():
     assert not errors, errors
 
 
+def test_eager_steps_rotating_over_more_streams_than_kept_workspaces():
+    """Six streams take turns (each its own cache, new x every call, so the
+    calls run eagerly): more streams than the workspaces kept per GPU, so
+    workspaces are dropped while their stream's last kernels may still run
+    and made again later. Every y equals a single-stream run bit for bit."""
+    n, rounds = 6, 3
+    inputs = [_inputs(bs=8, seed=60 + i, prefill=50 + 5 * i, max_seq_len=80) for i in range(n)]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    xs = [[torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(rounds)]
+          for _, x, _ in inputs]
+    d = mla_decode.MLADecoder(backend="kernels")
+    expect = []
+    for (cfg, _, kv), xi in zip(inputs, xs):
+        c = kv.clone()
+        expect.append([d(cfg, x, c)[0].clone() for x in xi])
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(n)]
+    dec = mla_decode.MLADecoder(backend="kernels")
+    got = [[] for _ in range(n)]
+    for k in range(rounds):
+        for i, s in enumerate(streams):
+            cfg, _, kv = inputs[i]
+            with torch.cuda.stream(s):
+                got[i].append(dec(cfg, xs[i][k].clone(), kv)[0])
+    torch.cuda.synchronize()
+    bad = [f"stream {i} round {k}" for i in range(n) for k in range(rounds) if not torch.equal(got[i][k], expect[i][k])]
+    assert not bad, bad
+
+
+@pytest.mark.skipif(not hasattr(torch.cuda, "use_mem_pool"), reason="this PyTorch has no torch.cuda.use_mem_pool")
+def test_steps_inside_a_private_memory_pool_then_after_it_is_gone():
+    """A caller's private pool (torch.cuda.use_mem_pool): a decoder's first
+    step (which captures) and an eager step on a new stream (which makes
+    that stream's kept workspace) run inside it; after the pool is dropped
+    and the cache emptied, further steps (replayed and eager, new x every
+    call) stay within the task rule, and the memory the pool held is reused
+    by other tensors without disturbing them."""
+    config, x, kv = _inputs(bs=8, seed=12, prefill=60, max_seq_len=96)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    side = torch.cuda.Stream()
+    pool = torch.cuda.MemPool()
+    dec = mla_decode.MLADecoder(backend="kernels")
+    with torch.cuda.use_mem_pool(pool):
+        _check_against_reference(config, x, kv, dec)
+        with torch.cuda.stream(side):
+            xi = torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16)
+            _check_against_reference(config, xi, kv, dec)
+            torch.cuda.current_stream().synchronize()
+    del pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    filler = [torch.full((1 << 22,), 7.0, device="cuda") for _ in range(32)]  # 512 MB that may land where the pool was
+    for call in range(3):
+        _check_against_reference(config, x, kv, dec)
+        with torch.cuda.stream(side):
+            xi = torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16)
+            _check_against_reference(config, xi, kv, dec)
+            torch.cuda.current_stream().synchronize()
+    assert all(bool((f == 7.0).all()) for f in filler), "a step wrote into memory it does not own"
+
+
 def test_cache_written_by_another_kernel_between_steps():
     """A new request reusing a slot: another kernel (a Triton-like raw write,
     here a graph replay) replaces a sequence's rows; the step reads them."""
