@@ -456,7 +456,6 @@ const char* plan(const GemmParams& p, Plan* out) {
   return alignment(p);
 }
 
-
 }  // namespace
 
 // The current device's SM count and opt-in shared memory per block, queried
