@@ -165,6 +165,22 @@ def test_one_decoder_shared_by_threads():
         assert torch.equal(kv.data, c.data)
 
 
+def _new_xs_and_expected(inputs, steps, seed):
+    """For each (config, x, kv) of `inputs`, `steps` new x tensors (x's
+    shape, drawn from `seed`), and the y of each step of a single-threaded
+    decoder run on a clone of kv with them in order."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [[torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(steps)]
+          for _, x, _ in inputs]
+    d = mla_decode.MLADecoder(backend="kernels")
+    expect = []
+    for (cfg, _, kv), xi in zip(inputs, xs):
+        c = kv.clone()
+        expect.append([d(cfg, x, c)[0].clone() for x in xi])
+    torch.cuda.synchronize()
+    return xs, expect
+
+
 def test_threads_sharing_one_stream_with_new_inputs_every_call():
     """Threads on one stream (the default one) each decode their own cache
     with a new x every call, so most calls run eagerly and take turns on
@@ -173,15 +189,7 @@ def test_threads_sharing_one_stream_with_new_inputs_every_call():
     y equals a single-threaded run."""
     n, steps = 4, 8
     inputs = [_inputs(bs=8, seed=40 + i, prefill=90 + 7 * i) for i in range(n)]
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    xs = [[torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(steps)]
-          for _, x, _ in inputs]
-    expect = []
-    d = mla_decode.MLADecoder(backend="kernels")
-    for (config, _, kv), xi in zip(inputs, xs):
-        c = kv.clone()
-        expect.append([d(config, x, c)[0].clone() for x in xi])
-    torch.cuda.synchronize()
+    xs, expect = _new_xs_and_expected(inputs, steps, 5)
     errors = []
 
     def run(i):
@@ -236,15 +244,7 @@ def test_unsplit_batch_from_two_threads_on_their_own_streams():
         pytest.skip("the fused query runs on Hopper GPUs only")
     bs, steps = _unsplit_bs(), 4
     inputs = [_inputs(bs=bs, seed=50 + i, prefill=40 + 9 * i, max_seq_len=64) for i in range(2)]
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    xs = [[torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(steps)]
-          for _, x, _ in inputs]
-    d = mla_decode.MLADecoder(backend="kernels")
-    expect = []
-    for (cfg, _, kv), xi in zip(inputs, xs):
-        c = kv.clone()
-        expect.append([d(cfg, x, c)[0].clone() for x in xi])
-    torch.cuda.synchronize()
+    xs, expect = _new_xs_and_expected(inputs, steps, 9)
     errors = []
 
     def run(i):
@@ -273,15 +273,7 @@ def test_eager_steps_rotating_over_more_streams_than_kept_workspaces():
     and made again later. Every y equals a single-stream run bit for bit."""
     n, rounds = 6, 3
     inputs = [_inputs(bs=8, seed=60 + i, prefill=50 + 5 * i, max_seq_len=80) for i in range(n)]
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    xs = [[torch.randn(x.shape, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(rounds)]
-          for _, x, _ in inputs]
-    d = mla_decode.MLADecoder(backend="kernels")
-    expect = []
-    for (cfg, _, kv), xi in zip(inputs, xs):
-        c = kv.clone()
-        expect.append([d(cfg, x, c)[0].clone() for x in xi])
-    torch.cuda.synchronize()
+    xs, expect = _new_xs_and_expected(inputs, rounds, 11)
     streams = [torch.cuda.Stream() for _ in range(n)]
     dec = mla_decode.MLADecoder(backend="kernels")
     got = [[] for _ in range(n)]
