@@ -554,15 +554,30 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     wg::named_sync(kBarWg0 + wg, 128);
   };
 
-  // descriptors of stage 0 (+ soff(jp) for pair jp)
-  const uint64_t dq = wg::desc_sw128(q_s, 16, 1024);
-  const uint64_t dk = wg::desc_sw128(k_s + wg * T::kMatBytes, 16, 1024);  // this warpgroup's half
-  // V halves: this warpgroup's kN columns of K0 / K1, read MN-major
-  const uint64_t dv0 = wg::desc_sw128(k_s + kHB * wg * T::kBlockBytes, T::kBlockBytes, 1024);
-  const uint64_t dv1 = wg::desc_sw128(k_s + T::kMatBytes + kHB * wg * T::kBlockBytes, T::kBlockBytes, 1024);
+  // Descriptors of stage 0 (+ soff(jp) for pair jp). Those of the key and
+  // value halves and of P are made from the warpgroup as a compile-time
+  // constant (kW1: W0{} / W1{} in each warpgroup's own code): made from the
+  // runtime `wg`, ptxas advanced warpgroup 0's S descriptors with a split
+  // 32-bit add, a carry and a reload of the constant high half per wgmma
+  // (6.5 instructions per wgmma against 2.9 for warpgroup 1). Q's gets a
+  // zero that ptxas cannot see through (h_q >> 30: a q with 2^30 heads would
+  // not fit in memory), so that it stays one 64-bit value advanced by one
+  // add per k-step instead of being split the same way.
+  const uint64_t dq = wg::desc_sw128(q_s, 16, 1024) + (static_cast<uint64_t>(static_cast<uint32_t>(p.h_q) >> 30) << 32);
+  // the warpgroup's key half (S's B operand)
+  auto dk_of = [&](auto kW1) { return wg::desc_sw128(k_s + (decltype(kW1)::value ? T::kMatBytes : 0), 16, 1024); };
+  // V halves: the warpgroup's kN columns of K0 / K1, read MN-major
+  auto dv0_of = [&](auto kW1) {
+    return wg::desc_sw128(k_s + (decltype(kW1)::value ? kHB : 0) * T::kBlockBytes, T::kBlockBytes, 1024);
+  };
+  auto dv1_of = [&](auto kW1) {
+    return wg::desc_sw128(k_s + T::kMatBytes + (decltype(kW1)::value ? kHB : 0) * T::kBlockBytes, T::kBlockBytes, 1024);
+  };
   // P of the OTHER warpgroup's half: the rope block of K1 (for WG0) / K0 (for WG1)
   auto p_mine = [&](int jp) { return kbuf(jp) + wg * T::kMatBytes + kNB * T::kBlockBytes; };
-  const uint64_t dp_other = wg::desc_sw128(k_s + (1 - wg) * T::kMatBytes + kNB * T::kBlockBytes, 16, 1024);
+  auto dp_other_of = [&](auto kW1) {
+    return wg::desc_sw128(k_s + (decltype(kW1)::value ? 0 : T::kMatBytes) + kNB * T::kBlockBytes, 16, 1024);
+  };
 
   // a half whose first key is past the length (the second half of a short
   // last tile): no S, no P V for it (same answer for every thread of the block)
@@ -581,7 +596,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   auto issue_s = [&](auto kW1, float (&s)[32], int jp, auto between) {
     constexpr bool w1 = decltype(kW1)::value;
     const uint32_t par = ((gbase + jp) / kStages) & 1;
-    const uint64_t dkj = dk + soff(jp);
+    const uint64_t dkj = dk_of(kW1) + soff(jp);
     uint4 cs[4];
     if constexpr (!kPH) load_cs(jp, wg, cs);
     if (half_empty(jp, wg)) {  // nothing to multiply: the mask makes S -inf; keep the barrier phases
@@ -799,7 +814,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::named_arrive(kBarM0, 256);
       // O_L += P0 V0L
       wg::fence();
-      pv_regs<T::kN, kF16>(o, pa, dv0 + so);
+      pv_regs<T::kN, kF16>(o, pa, dv0_of(W0{}) + so);
       wg::commit();
       wg::wait<0>();
       if (refill) load_half(jp + kStages, 0, 0, kHB, false, kMbK0a);  // K0 blocks [0, kHB): read by nothing else now
@@ -830,7 +845,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       scale_rows(o, d0, d1);
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_smem<T::kN, kF16>(o, dp_other + so, dv1 + so);
+        pv_smem<T::kN, kF16>(o, dp_other_of(W0{}) + so, dv1_of(W0{}) + so);
         wg::commit();
       }
       }  // jp >= 0
@@ -882,12 +897,12 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       // O_R += P1 V1R, then += P0' V0R once warpgroup 0 has stored P0'
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         wg::fence();
-        pv_regs<T::kN, kF16>(o, pa, dv1 + so);
+        pv_regs<T::kN, kF16>(o, pa, dv1_of(W1{}) + so);
         wg::commit();
       }
       wg::named_sync(kBarP0, 256);
       wg::fence();
-      pv_smem<T::kN, kF16>(o, dp_other + so, dv0 + so);
+      pv_smem<T::kN, kF16>(o, dp_other_of(W1{}) + so, dv0_of(W1{}) + so);
       wg::commit();
       wg::wait<1>();  // P1 V1R done: K1 blocks [kHB, kNB) are free
       if (refill) load_half(jp + kStages, 1, kHB, kNB, false, kMbK1b);
