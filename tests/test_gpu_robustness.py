@@ -181,6 +181,32 @@ def _new_xs_and_expected(inputs, steps, seed):
     return xs, expect
 
 
+def _decode_in_threads(inputs, xs, expect, own_streams):
+    """One thread per entry of `inputs`, each with a decoder of its own
+    stepping its cache with its x's (a clone of each), on the current
+    stream or (own_streams) on a new stream of its own; returns the
+    messages of every y that differs from `expect` and of every error."""
+    errors = []
+
+    def run(i):
+        try:
+            cfg, _, kv = inputs[i]
+            dec = mla_decode.MLADecoder(backend="kernels")
+            with torch.cuda.stream(torch.cuda.Stream() if own_streams else torch.cuda.current_stream()):
+                ys = [dec(cfg, x.clone(), kv)[0] for x in xs[i]]
+                torch.cuda.current_stream().synchronize()
+            errors.extend(f"thread {i} step {k}: y differs" for k, y in enumerate(ys) if not torch.equal(y, expect[i][k]))
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return errors
+
+
 def test_threads_sharing_one_stream_with_new_inputs_every_call():
     """Threads on one stream (the default one) each decode their own cache
     with a new x every call, so most calls run eagerly and take turns on
@@ -190,23 +216,7 @@ def test_threads_sharing_one_stream_with_new_inputs_every_call():
     n, steps = 4, 8
     inputs = [_inputs(bs=8, seed=40 + i, prefill=90 + 7 * i) for i in range(n)]
     xs, expect = _new_xs_and_expected(inputs, steps, 5)
-    errors = []
-
-    def run(i):
-        try:
-            config, _, kv = inputs[i]
-            dec = mla_decode.MLADecoder(backend="kernels")
-            ys = [dec(config, x.clone(), kv)[0] for x in xs[i]]
-            torch.cuda.current_stream().synchronize()
-            errors.extend(f"thread {i} step {k}: y differs" for k, y in enumerate(ys) if not torch.equal(y, expect[i][k]))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(f"thread {i}: {type(e).__name__}: {e}")
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errors = _decode_in_threads(inputs, xs, expect, own_streams=False)
     assert not errors, errors
 
 
@@ -245,24 +255,7 @@ def test_unsplit_batch_from_two_threads_on_their_own_streams():
     bs, steps = _unsplit_bs(), 4
     inputs = [_inputs(bs=bs, seed=50 + i, prefill=40 + 9 * i, max_seq_len=64) for i in range(2)]
     xs, expect = _new_xs_and_expected(inputs, steps, 9)
-    errors = []
-
-    def run(i):
-        try:
-            cfg, _, kv = inputs[i]
-            dec = mla_decode.MLADecoder(backend="kernels")
-            with torch.cuda.stream(torch.cuda.Stream()):
-                ys = [dec(cfg, x.clone(), kv)[0] for x in xs[i]]
-                torch.cuda.current_stream().synchronize()
-            errors.extend(f"thread {i} step {k}: y differs" for k, y in enumerate(ys) if not torch.equal(y, expect[i][k]))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(f"thread {i}: {type(e).__name__}: {e}")
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errors = _decode_in_threads(inputs, xs, expect, own_streams=True)
     assert not errors, errors
 
 
