@@ -19,8 +19,8 @@ other threads are all read as they are now). A call with new operands
 than four are captured, and later a step whose operands come back soon
 (csrc/api/step_graph.cpp); calls that repeat them replay it: the same work
 without the host's launches. The state kept is bounded: at most four
-captured steps per process, at most four eager-step workspaces (one per GPU
-and stream), the RoPE table per device (128 bytes per position) and the
+captured steps per process, at most four eager-step workspaces per GPU (one
+per stream), the RoPE table per device (128 bytes per position) and the
 attention's map tables (bounded_maps.cpp, four per process);
 ``release_cached()`` drops them all.
 
