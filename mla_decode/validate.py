@@ -53,6 +53,20 @@ def _check_tensor(name, t, shape, device, shape_text, contiguous=False):
         raise MLAInputError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
+def elements_overlap(t) -> bool:
+    """Whether two indices of t may name one element (an expanded or
+    stride-0 tensor, rows closer than their width): each dimension's stride,
+    smallest first, must step past everything the smaller ones span. (A
+    sufficient test: a layout it refuses may in rare interleavings still be
+    disjoint, never the reverse.)"""
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def weight_shapes(d: Dims):
     return {
         "Q_proj_down_weight": ((d.q_lora, d.dim), "[q_lora_rank, dim]"),
@@ -91,7 +105,7 @@ def validate(config, x, kv_cache) -> Dims:
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x must be torch.bfloat16, got {x.dtype}")
     if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != dim or x.shape[0] < 1:
-        raise MLAInputError(f"x must have shape [bs, 1, {dim}], got {list(x.shape)}")
+        raise MLAInputError(f"x must have shape [bs, 1, {dim}] with bs >= 1, got {list(x.shape)}")
     if not x.is_contiguous():
         raise MLAInputError(f"x must be contiguous, got strides {x.stride()}")
     bs = x.shape[0]
@@ -107,9 +121,13 @@ def validate(config, x, kv_cache) -> Dims:
         _check_tensor(f"config.{name}", getattr(config, name), shape, dev, text, contiguous=True)
     _check_tensor("kv_cache.data", data, (bs, data.shape[1], kv_lora + rope), dev,
                   f"[bs={bs}, max_seq_len, kv_lora_rank + rope = {kv_lora + rope}]")
+    if elements_overlap(data):
+        raise MLAInputError(f"kv_cache.data must give every sequence and row memory of its own (the step writes "
+                            f"a row per sequence), got strides {data.stride()} for shape {list(data.shape)} "
+                            "(an expanded tensor?)")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 0:
         raise MLAInputError(f"kv_cache.seq_len must be a non-negative int, got {seq_len!r}")
     if seq_len >= data.shape[1]:
-        raise MLAInputError(f"kv_cache is full: seq_len {seq_len} == max_seq_len {data.shape[1]}; "
-                            "nothing was written")
+        raise MLAInputError(f"kv_cache is full: seq_len {seq_len} leaves no row free in max_seq_len "
+                            f"{data.shape[1]}; nothing was written")
     return dims

@@ -25,7 +25,7 @@ def test_x_dtype(small_input):
 def test_x_shape(small_input):
     config, x, kv = small_input()
     call_and_check_untouched(config, x.view(x.shape[0], -1)[:, :-1].reshape(x.shape[0], 1, -1).contiguous(), kv,
-                             MLAInputError, r"x must have shape \[bs, 1, 96\], got \[3, 1, 95\]")
+                             MLAInputError, r"x must have shape \[bs, 1, 96\] with bs >= 1, got \[3, 1, 95\]")
     call_and_check_untouched(config, torch.cat([x, x], 1), kv, MLAInputError, r"x must have shape \[bs, 1, 96\]")
 
 
@@ -98,7 +98,19 @@ def test_cache_dtype(small_input):
 
 def test_cache_full(small_input):
     config, x, kv = small_input(prefill=64)
-    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache is full: seq_len 64 == max_seq_len 64")
+    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache is full: seq_len 64 leaves no row free in max_seq_len 64")
+
+
+def test_cache_with_shared_rows(small_input):
+    """A cache whose sequences (or rows) share memory, such as an expanded
+    prefix, would have every sequence's new row land in one place: refused."""
+    config, x, kv = small_input()
+    base = kv.data[:1].clone()
+    kv.data = base.expand(3, -1, -1)
+    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache.data must give every sequence and row memory "
+                                                           r"of its own .* strides \(0, 40, 1\)")
+    kv.data = kv.data[:, :1].expand(-1, 64, -1)
+    call_and_check_untouched(config, x, kv, MLAInputError, r"memory of its own")
 
 
 def test_cache_not_contiguous_last_dim(small_input):
@@ -186,3 +198,4 @@ def test_lean_replay_declines_what_it_does_not_match():
     assert kv.seq_len == 3 and torch.equal(kv.data, before)
     y, _ = mla_decode.custom_kernel((config, x, kv))  # (the checked path: the CPU fallback)
     assert kv.seq_len == 4 and y.shape == (2, 1, 64)
+

@@ -1,5 +1,7 @@
 """custom_kernel on the GPU at the task shapes against the literal reference."""
 
+import copy
+
 import pytest
 import torch
 
@@ -201,6 +203,24 @@ def test_misaligned_cache_rows_are_refused_before_any_write():
     with pytest.raises(mla_decode.MLAInputError, match="16-byte aligned"):
         mla_decode.MLADecoder(backend="kernels")(config, x, kv)
     assert torch.equal(wide, before) and kv.seq_len == 20
+
+
+def test_cache_with_shared_rows_is_refused_before_any_write():
+    """An expanded cache (every sequence on one buffer) is refused on the
+    checked path and on the lean path of a decoder that has run these sizes;
+    nothing is written."""
+    config, x, kv = generate_input(batch_size=4, prefill=20, max_seq_len=40, seed=46, device="cuda")
+    dec = mla_decode.MLADecoder(backend="kernels")
+    for first in (True, False):  # a decoder's first call (Python's checks), then one after a good call (C's)
+        if not first:
+            dec(config, x, kv.clone())
+        base = kv.data[:1].clone()
+        shared = copy.copy(kv)
+        shared.data = base.expand(4, -1, -1)
+        before = base.clone()
+        with pytest.raises(mla_decode.MLAInputError, match="memory of its own"):
+            dec(config, x, shared)
+        assert torch.equal(base, before) and shared.seq_len == 20
 
 
 def test_step_without_split_matches_the_reference():

@@ -4,8 +4,10 @@
 // RuntimeError in Python); nothing here exits.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
@@ -87,6 +89,24 @@ inline void check_rows_aligned(const at::Tensor& t, const char* name) {
     fail_value(std::string(name) + " must be 16-byte aligned: a base address on a 16-byte boundary and strides "
                "that are multiples of 8 elements (a slice of a wider buffer often is not), got strides " +
                list_str(t.strides()) + " at byte offset " + num(offset16(t)));
+}
+
+// Whether two indices of t may name one element (an expanded or stride-0
+// tensor, rows closer than their width): each dimension's stride, smallest
+// first, must step past everything the smaller ones span. Sufficient: a
+// layout it refuses may in rare interleavings still be disjoint, never the
+// reverse. (mla_decode.validate.elements_overlap is the same test.)
+inline bool elements_overlap(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions that move
+  for (int64_t i = 0; i < t.dim(); ++i)
+    if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride < span) return true;
+    span += stride * (size - 1);
+  }
+  return false;
 }
 
 inline void check_launch(const char* err, const char* what) {

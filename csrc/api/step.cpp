@@ -459,6 +459,10 @@ std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at:
   const int64_t max_len = cache.size(1);
   check_input(cache, "kv_cache.data", dev, {bs, max_len, r + rope},
               "[bs, max_seq_len, kv_lora_rank + rope]", false);
+  if (elements_overlap(cache))
+    fail_value("kv_cache.data must give every sequence and row memory of its own (the step writes a row per "
+               "sequence), got strides " + list_str(cache.strides()) + " for shape " + shape_str(cache) +
+               " (an expanded tensor?)");
   if (!rows_aligned16(cache))
     fail_value("kv_cache.data rows must be 16-byte aligned for the kernels (base address and strides multiples of 8 "
                "elements), got strides " + list_str(cache.strides()) + " at byte offset " +
