@@ -386,6 +386,27 @@ def test_serving_block_ids_out_of_range():
     torch.cuda.synchronize()
 
 
+def test_replay_after_a_longer_cache_grew_the_rope_table():
+    """A captured step reads the RoPE table it was captured with. A longer
+    cache then grows the table (a new tensor; the decoder drops the old one),
+    and the old table's memory is handed out again and poisoned: the next
+    replay of the first cache's step must still be right (the captured step
+    keeps its table alive)."""
+    mla_decode.release_cached()
+    config, x, kv = _inputs(bs=4, prefill=20, seed=47, max_seq_len=64)
+    dec = mla_decode.MLADecoder(backend="kernels")
+    _check_against_reference(config, x, kv, dec)
+    _check_against_reference(config, x, kv, dec)
+    assert dec.last_paths["launch"] == "graph replay"
+    config_b, x_b, kv_b = _inputs(bs=4, prefill=20, seed=48, max_seq_len=4096)
+    _check_against_reference(config_b, x_b, kv_b, dec)
+    torch.cuda.synchronize()
+    poison = [torch.full((64, 64), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(64)]
+    _check_against_reference(config, x, kv, dec)
+    assert dec.last_paths["launch"] == "graph replay"
+    del poison
+
+
 def test_release_cached():
     config, x, kv = _inputs(seed=40)
     mla_decode.custom_kernel((config, x, kv))

@@ -417,6 +417,7 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   StepOut out;
   out.y = y;
   out.ran = ran;
+  out.keep = rope_cs;  // (a captured step reads the table where it lies: the entry keeps it alive)
   return out;
 }
 

@@ -165,8 +165,10 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
   e->len_slot = at::empty({2}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));  // (before the capture)
   e->graph = std::make_unique<at::cuda::CUDAGraph>();
   bool begun = false;
+  // (outside the try: capture_end checks that the current stream is the
+  // capture stream, so the guard must still be in force in the handler)
+  c10::cuda::CUDAStreamGuard sg(*ds.side);
   try {
-    c10::cuda::CUDAStreamGuard sg(*ds.side);
     e->graph->capture_begin(ds.has_pool ? ds.pool : at::cuda::MempoolId_t{0, 0},
                             MLA_RT(StreamCaptureModeThreadLocal));
     begun = true;
@@ -180,6 +182,15 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
       try {
         e->graph->capture_end();
       } catch (...) {
+      }
+      // whatever capture_end managed, never leave the side stream (a pool
+      // stream other code may be handed) or this thread capturing
+      bool still = false;
+      if (stream_capturing(ds.side->stream(), &still) == nullptr && still) {
+        MLA_RT(Graph_t) g = nullptr;
+        (void)MLA_RT(StreamEndCapture)(ds.side->stream(), &g);
+        if (g != nullptr) (void)MLA_RT(GraphDestroy)(g);
+        (void)MLA_RT(GetLastError)();
       }
     }
     // a graph object whose capture failed is left alone, not destroyed

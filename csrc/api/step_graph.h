@@ -47,6 +47,7 @@ StepKey step_key_prefix(const at::Tensor& x, std::initializer_list<const at::Ten
 struct StepOut {
   at::Tensor y;
   int64_t ran = 0;
+  at::Tensor keep;  // what a captured graph reads besides its key's operands (the RoPE table): held by the entry
 };
 // `capturing`: whether the stream is capturing a graph as the step is
 // enqueued (the caller's capture, or the step's own).
