@@ -315,6 +315,17 @@ def test_dcp_attention_argument_errors():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
             dcp_attention(q[:, :1], k_cache, table, seqlens, DV)
+    # the PyTorch backend reads lengths and ids on the host: bad ones raise (a negative id would index from the end)
+    cap = table.shape[1] * k_cache.shape[1]
+    for bad_lens, match in ((seqlens.clone().fill_(cap + 1), rf"seqlens_local\[0\] = {cap + 1} is outside \[0, {cap}\]"),
+                            (seqlens.clone().fill_(-1), r"seqlens_local\[0\] = -1 is outside")):
+        with pytest.raises(ValueError, match=match):
+            dcp_attention(q[:, :1], k_cache, table, bad_lens, DV, backend="torch")
+    for bad_id in (-1, k_cache.shape[0]):
+        bad = table.clone()
+        bad[1, 0] = bad_id
+        with pytest.raises(ValueError, match=rf"block_table_local\[1, 0\] = {bad_id} is outside"):
+            dcp_attention(q[:, :1], k_cache, bad, seqlens, DV, backend="torch")
 
 
 def test_dcp_attention_world_of_one():
