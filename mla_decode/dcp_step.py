@@ -50,10 +50,11 @@ import torch
 import torch.distributed as dist
 
 from . import projections
+from . import _ext
 from ._ext import kernels_usable
 from .attention import mla_attention
-from .dcp import _all_gather_pair, merge_attention_states
-from .decoder import MLADecoder, rope_tables
+from .dcp import _all_gather_pair, merge_attention_states, warn_fallback
+from .decoder import MLADecoder, rope_tables, writable
 from .reference import rope_rotate
 from .validate import MLAInputError, cache_parts, validate
 
@@ -152,12 +153,15 @@ class DCPDecoder:
         kernel_sizes = dims.kv_lora == 512 and dims.rope == 64
         if self.backend == "auto":
             which = "kernels" if kernels_usable(x.device) and kernel_sizes else "torch"
+            if which == "torch":
+                warn_fallback("DCPDecoder", x.device, _ext.backend(x.device) if not kernels_usable(x.device) else
+                              f"kv_lora_rank={dims.kv_lora}, rope={dims.rope} (the kernels take 512 and 64)")
         else:
             which = self.backend
         if which == "kernels" and not (kernels_usable(x.device) and kernel_sizes):
             raise MLAInputError(f"backend='kernels' needs a GPU the kernels run on and kv_lora_rank 512, "
                                 f"qk_rope_head_dim 64; got {x.device}, {dims.kv_lora}, {dims.rope}")
-        with torch.no_grad():
+        with torch.no_grad(), writable(data):
             y = self._step(config, dims, x, data, pos, world, rank, which)
         kv_local.seq_len = pos + 1
         self.last_backend = which

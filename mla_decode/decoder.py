@@ -6,8 +6,9 @@ Two backends:
   tensors' GPU: our Hopper GEMM for the down-projection, one fused Hopper
   launch for the query, its RoPE and the cache append (vendor GEMMs and the
   RoPE/append kernel elsewhere), the split-KV attention over the cache with
-  the keys rotated on the fly, W_UV and wo on the vendor BLAS (wo on
-  cuBLASLt). Which product runs where is mla_decode.kernel_choice's.
+  the keys rotated on the fly, W_UV (one strided-batched product) and wo
+  on cuBLASLt (PyTorch's BLAS with MLA_DECODE_BLASLT=0). Which product runs
+  where is mla_decode.kernel_choice's.
 - "torch": the absorbed form in plain PyTorch (W_UK folded into the query,
   W_UV applied after attention), wherever the kernels are not built or not
   usable (the CPU included) or the sizes are not the kernels'.
@@ -37,6 +38,7 @@ refuse) takes the checked path in Python.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -130,7 +132,11 @@ class MLADecoder:
             plan = self._plan(config, x, kv_cache)
         which, want = plan
         if which == "kernels":
-            table = rope_tables(x.device, sizes[5], data.shape[1])[0]
+            try:
+                table = rope_tables(x.device, sizes[5], data.shape[1])[0]
+            except (AttributeError, IndexError, TypeError):  # data is no [bs, max_seq_len, d] tensor: validate says so
+                validate(config, x, kv_cache)
+                raise
             try:
                 y, ran = _ext.module().decode_step(x, *(getattr(config, n) for n in WEIGHTS), data, pos, sizes,
                                                    table, want)
@@ -142,7 +148,7 @@ class MLADecoder:
                 _ext.module().register_step_plan(x.device.index, sizes, x.shape[0], table, want)
         else:
             dims = validate(config, x, kv_cache)
-            with torch.no_grad():
+            with torch.no_grad(), writable(data):
                 y = _step_torch(config, dims, x, data, pos)
             self._ran = None
         kv_cache.seq_len = pos + 1
@@ -182,6 +188,14 @@ class MLADecoder:
             self._warned.add(why)
             warnings.warn(f"mla_decode: using the PyTorch fallback on {device}: {why}", RuntimeWarning, stacklevel=4)
         return "torch"
+
+
+def writable(data):
+    """A context in which the PyTorch backend may write ``data`` in place:
+    inference mode where data was made under it (an inference tensor, which
+    only inference mode may update; the kernels write it through its pointer
+    in any mode), else the caller's mode as it is."""
+    return torch.inference_mode() if data.is_inference() else contextlib.nullcontext()
 
 
 def _step_torch(config, dims, x, data, pos):

@@ -184,8 +184,9 @@ def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
 def blas_lt_path(x) -> bool:
     """True when the output stage asks for cuBLASLt (the decode step: W_UV and
     wo; the stage functions: wo): a CUDA build of
-    PyTorch, x on the GPU, MLA_DECODE_BLASLT not 0."""
-    return x.is_cuda and torch.version.cuda is not None and _settings.blaslt
+    PyTorch, x on the GPU, MLA_DECODE_BLASLT not 0, and the extension built
+    (it holds the cuBLASLt call; the PyTorch fallback runs without it)."""
+    return x.is_cuda and torch.version.cuda is not None and _settings.blaslt and _ext.kernels_built()
 
 
 def step_want(device, dims) -> int:

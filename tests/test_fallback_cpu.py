@@ -138,6 +138,31 @@ def test_custom_kernel_entry_point(small_input):
     assert_task_rule(data, data_ref, "cache")
 
 
+def test_cache_made_under_inference_mode_stepped_outside_it(small_input):
+    """A cache (and inputs) made under torch.inference_mode() and stepped
+    outside it: the fallback writes it as the kernels would, in any mode."""
+    config, x, kv = small_input(bs=2, prefill=10)
+    kv_ref = kv.clone()
+    with torch.inference_mode():
+        kv.data = kv.data.clone()
+    assert kv.data.is_inference()
+    y, data = mla_decode.MLADecoder(backend="torch")(config, x, kv)
+    y_ref, data_ref = ref_kernel((config, x, kv_ref))
+    assert_task_rule(y, y_ref, "y")
+    assert torch.equal(data, data_ref) and kv.seq_len == 11
+
+
+def test_cublaslt_is_never_asked_of_a_missing_extension(monkeypatch):
+    """The output stage asks for cuBLASLt only where the extension (which
+    holds that call) is built: the fallback on a CUDA machine without it
+    takes PyTorch's product."""
+    from mla_decode import _ext, kernel_choice
+
+    gpu_like = type("GpuLike", (), {"is_cuda": True})()
+    monkeypatch.setattr(_ext, "_C", None)
+    assert not kernel_choice.blas_lt_path(gpu_like)
+
+
 def test_backend_is_named():
     text = mla_decode.backend("cpu")
     assert text.startswith("torch-fallback (") and len(text) > 20
