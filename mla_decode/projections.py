@@ -116,20 +116,29 @@ def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=Non
     tables = (rope_cs [P, rope] cos|sin as the kernels take it, cos2, sin2
     [P, rope] in the [a, a] layout). With ``kpe`` [bs, >= max_seq_len,
     rope], the new row's k_pe rotated at its position goes to kpe[b, pos]
-    as well (for a caller keeping its keys' rope part apart, rotated). Returns the
+    as well (for a caller keeping its keys' rope part apart, rotated). A
+    sequence whose position is outside the cache or the tables (seqlens[b]
+    of 0, or past max_seq_len) is skipped, its qbuf and cache rows left as
+    they were, by the kernel and by its PyTorch twin alike. Returns the
     attention's query view of qbuf, [bs, 1, H, r + rope]."""
     rope = q_pe.shape[-1]
     q_out = _rope_out(qbuf, rope)
     if kernel:
         torch.ops.mla_decode.rope_append(q_pe, kv_new, seqlens, tables[0], q_out, cache, kpe)
     else:
+        # (the kernel's skip, without a host synchronisation: positions clamped for the gathers, the
+        # skipped sequences' old values written back)
         pos = seqlens.to(torch.int64) - 1
+        limit = min(cache.shape[1], tables[1].shape[0])
+        ok = (pos >= 0) & (pos < limit)
+        pos = pos.clamp(0, limit - 1)
         cos, sin = tables[1][pos].unsqueeze(1), tables[2][pos].unsqueeze(1)
-        q_out.copy_(rope_rotate(q_pe, cos, sin))
+        q_out.copy_(torch.where(ok[:, None, None], rope_rotate(q_pe, cos, sin), q_out))
         rows = torch.arange(cache.shape[0], device=cache.device)
-        cache[rows, pos] = kv_new
+        cache[rows, pos] = torch.where(ok[:, None], kv_new.to(cache.dtype), cache[rows, pos])
         if kpe is not None:
-            kpe[rows, pos] = rope_rotate(kv_new[:, None, -rope:], cos, sin)[:, 0]
+            kpe[rows, pos] = torch.where(ok[:, None], rope_rotate(kv_new[:, None, -rope:], cos, sin)[:, 0].to(kpe.dtype),
+                                         kpe[rows, pos])
     return _attention_query(qbuf)
 
 

@@ -87,6 +87,29 @@ def test_rope_append_rotates_and_writes_only_the_new_row(dev, bs, small):
         assert torch.equal(results[0], results[1]), "kernel and PyTorch twin differ"
 
 
+@pytest.mark.parametrize("dev,bs,small", CASES)
+def test_rope_append_skips_positions_outside_the_cache(dev, bs, small):
+    """A sequence of length 0 or past the cache's capacity is skipped (its
+    query rope columns and cache untouched), by the kernel and the twin alike;
+    the others are written as usual."""
+    bs = max(bs, 3)
+    config, _, kv = generate_input(batch_size=bs, prefill=0, max_seq_len=40, seed=400 + bs, device=dev, **small)
+    H, rope, r = config.n_heads, config.qk_rope_head_dim, config.kv_lora_rank
+    g = torch.Generator(device=dev).manual_seed(17 + bs)
+    q_pe = bf(torch.randn(bs, H, rope, generator=g, device=dev))
+    kv_new = bf(torch.randn(bs, r + rope, generator=g, device=dev))
+    lens = torch.full((bs,), 7, dtype=torch.int32, device=dev)
+    lens[0], lens[1] = 0, 41  # position -1, and one past the 40 rows
+    tab = tables(40, rope, dev)
+    for kernel in ([False, True] if dev == "cuda" else [False]):
+        qbuf = torch.full((H, bs, r + rope), float("nan"), dtype=torch.bfloat16, device=dev)
+        cache = torch.full_like(kv.data, float("nan"))
+        projections.rope_append(q_pe, kv_new, lens, tab, qbuf, cache, kernel=kernel)
+        assert torch.isnan(qbuf[:, :2]).all() and torch.isnan(cache[:2]).all(), f"skipped rows written ({kernel=})"
+        assert torch.equal(bits(cache[2:, 6]), bits(kv_new[2:])), f"appended rows ({kernel=})"
+        assert not torch.isnan(qbuf[:, 2:, r:]).any(), f"rotated q_pe ({kernel=})"
+
+
 @needs_gpu
 def test_rope_append_checks_its_inputs():
     q_pe = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device="cuda")
