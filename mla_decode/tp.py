@@ -50,9 +50,12 @@ def shard_config(config, rank: int, tp: int):
         raise ValueError(f"config.wo_weight must have {H * v} columns (n_heads * v), got {list(config.wo_weight.shape)}")
     s = copy.copy(config)
     s.n_heads = h
-    s.Q_proj_up_weight = config.Q_proj_up_weight[rank * h * dq:(rank + 1) * h * dq].contiguous()
-    s.KV_proj_up_weight = config.KV_proj_up_weight[rank * h * dkv:(rank + 1) * h * dkv].contiguous()
-    s.wo_weight = config.wo_weight[:, rank * h * v:(rank + 1) * h * v].contiguous()
+    # copies of their own (a row slice is contiguous already, so .contiguous() would keep the full weight
+    # alive and share it), detached from autograd (nn.Parameter weights)
+    s.Q_proj_up_weight = config.Q_proj_up_weight.detach()[rank * h * dq:(rank + 1) * h * dq].clone()
+    s.KV_proj_up_weight = config.KV_proj_up_weight.detach()[rank * h * dkv:(rank + 1) * h * dkv].clone()
+    s.wo_weight = config.wo_weight.detach()[:, rank * h * v:(rank + 1) * h * v].clone(
+        memory_format=torch.contiguous_format)
     return s
 
 

@@ -4,6 +4,8 @@ kernels on 2 GPUs with NCCL (skips with the reason where fewer are visible).
 Every rank's y must match the single-process result under the task rule, and
 every rank's cache the single-process cache exactly."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -57,6 +59,15 @@ def test_shard_config_slices():
     assert parts[1].Q_proj_down_weight is config.Q_proj_down_weight
     assert parts[0].wo_weight.shape == (SMALL["dim"], H // 2 * v) and parts[0].Q_proj_up_weight.shape[0] == H // 2 * dq
     assert parts[0].KV_proj_up_weight.shape[0] == H // 2 * dkv
+    # shards are copies of their own: nothing shared with the full weights (which may then be freed), no autograd
+    for name in ("Q_proj_up_weight", "KV_proj_up_weight", "wo_weight"):
+        w, s = getattr(config, name), getattr(parts[1], name)
+        assert s.is_contiguous() and s.untyped_storage().nbytes() == s.numel() * s.element_size(), name
+        assert s.untyped_storage().data_ptr() != w.untyped_storage().data_ptr(), name
+    params = dataclasses.replace(config, **{n: torch.nn.Parameter(getattr(config, n).clone())
+                                            for n in ("Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")})
+    assert not any(getattr(shard_config(params, 0, 2), n).requires_grad
+                   for n in ("Q_proj_up_weight", "KV_proj_up_weight", "wo_weight"))
     with pytest.raises(ValueError, match="tp must divide n_heads: n_heads=4, tp=3"):
         shard_config(config, 0, 3)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
