@@ -78,7 +78,9 @@ def quantize_tiled(rows):
                          f"{rows.dtype} {list(rows.shape)}")
     lead = rows.shape[:-1]
     lat = rows[..., :LATENT].float().reshape(*lead, TILES, TILE)
-    amax = lat.abs().amax(dim=-1, keepdim=True)  # (NaN propagates: the tile's scale is NaN)
+    # the tile's scale from its finite values: an infinity saturates (to +-448 s) and a NaN stays that
+    # element's alone, as in the per-tensor format
+    amax = lat.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=-1, keepdim=True)
     scale = torch.clamp(amax, min=torch.finfo(torch.float32).tiny) / 448.0
     q = (lat / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     out = torch.empty(*lead, TILED_ROW_BYTES, dtype=torch.uint8, device=rows.device)
@@ -106,10 +108,11 @@ def fp8_append_paged(k_cache, block_table, positions, rows, k_scale=None):
     of sequence i of a paged cache, in place: block block_table[i, pos //
     page], row pos % page. k_cache [num_blocks, page, (1,) 576] in an FP8
     dtype (per-tensor: ``k_scale`` required) or uint8 [num_blocks, page,
-    (1,) 656] (tiled: no k_scale). positions [b] int (on any device; read on
-    the host). Nothing else of the cache is written. A position below 0, or
-    a block id outside [0, num_blocks) in a slot written, raises ValueError
-    before anything is written."""
+    (1,) 656] (tiled: no k_scale). positions [b] integers (on any device;
+    read on the host; floats and bools raise TypeError). Nothing else of the
+    cache is written. A position below 0, a block id outside [0, num_blocks)
+    in a slot written, or two sequences naming one cache row raises
+    ValueError before anything is written."""
     if k_cache.dim() == 4:
         if k_cache.shape[2] != 1:
             raise ValueError(f"k_cache must have one KV head, got {list(k_cache.shape)}")
@@ -125,7 +128,10 @@ def fp8_append_paged(k_cache, block_table, positions, rows, k_scale=None):
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be int32 [b = {b}, max_blocks], got {block_table.dtype} "
                          f"{list(block_table.shape)}")
-    pos = torch.as_tensor(positions).to("cpu", torch.int64).reshape(-1)
+    pos = torch.as_tensor(positions)
+    if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
+        raise TypeError(f"positions must be integers, got {pos.dtype}")
+    pos = pos.to("cpu", torch.int64).reshape(-1)
     if pos.numel() != b:
         raise ValueError(f"positions must hold b = {b} values, got {pos.numel()}")
     if cache.dtype in FP8_DTYPES:
@@ -152,6 +158,10 @@ def fp8_append_paged(k_cache, block_table, positions, rows, k_scale=None):
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"sequence {i}: block id {int(ids[i])} at slot {int(slot[i])} is outside [0, {num_blocks})")
+    target = ids * page + pos % page
+    if target.unique().numel() != b:
+        raise ValueError("two sequences' positions name the same cache row (block id, row); each row must be "
+                         "written once")
     ids, r = ids.to(cache.device), (pos % page).to(cache.device)
     cache.view(torch.uint8)[ids, r] = q.to(cache.device).view(torch.uint8)  # (bytes: index_put has no fp8 kernels)
     return k_cache

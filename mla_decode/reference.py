@@ -62,7 +62,8 @@ class KVCache:
 
     def prefill(self, rows: torch.Tensor) -> None:
         n = rows.shape[1]
-        assert self.seq_len + n <= self.data.shape[1], "KV Cache Exceeded"
+        if self.seq_len + n > self.data.shape[1]:  # (an exception, not an assert: python -O keeps it)
+            raise ValueError(f"KV Cache Exceeded: {self.seq_len} + {n} rows > max_seq_len {self.data.shape[1]}")
         self.data[:, self.seq_len:self.seq_len + n] = rows
         self.seq_len += n
 

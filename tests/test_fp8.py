@@ -59,6 +59,25 @@ def test_tiled_rows():
         quantize_tiled(rows[:, :575])
 
 
+def test_tiled_rows_saturate_infinities_and_keep_nan_to_its_element():
+    """As the per-tensor format: an infinity saturates at the tile's largest
+    value (the scale comes from the finite values) and a NaN spoils only its
+    own element, not its tile."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(2, 576, generator=g)
+    rows[0, 5], rows[0, 6], rows[1, 200] = float("inf"), float("-inf"), float("nan")
+    deq = dequantize_tiled(quantize_tiled(rows))
+    s0 = rows[0, :128].nan_to_num(posinf=0, neginf=0).abs().amax() / 448
+    assert deq[0, 5] == 448 * s0 and deq[0, 6] == -448 * s0
+    assert torch.isnan(deq[1, 200]) and torch.isnan(deq).sum() == 1
+    finite = torch.isfinite(rows)
+    scale = rows.nan_to_num(nan=0, posinf=0, neginf=0)[:, :512].reshape(2, 4, 128).abs().amax(-1, keepdim=True) / 448
+    ok, excess = within_bound(deq[:, :512].reshape(2, 4, 128)[finite[:, :512].reshape(2, 4, 128)],
+                              rows[:, :512].reshape(2, 4, 128)[finite[:, :512].reshape(2, 4, 128)],
+                              scale.expand(2, 4, 128)[finite[:, :512].reshape(2, 4, 128)])
+    assert ok, f"excess {excess}"
+
+
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz", "tiled"])
 def test_append_writes_exactly_the_given_rows(page, fmt):
@@ -106,4 +125,12 @@ def test_append_errors_write_nothing():
         fp8_append_paged(torch.zeros(4, 16, 576), table, [3, 4], rows, k_scale=0.1)
     with pytest.raises(ValueError, match="a tiled row carries its own scales"):
         fp8_append_paged(torch.zeros(4, 16, 656, dtype=torch.uint8), table, [3, 4], rows, k_scale=0.1)
+    with pytest.raises(TypeError, match="positions must be integers, got torch.float32"):
+        fp8_append_paged(k_cache, table, torch.tensor([3.0, 4.7]), rows, k_scale=0.1)
+    with pytest.raises(TypeError, match="positions must be integers, got torch.bool"):
+        fp8_append_paged(k_cache, table, [True, False], rows, k_scale=0.1)
+    same = torch.tensor([[1, 0], [1, 3]], dtype=torch.int32)  # both sequences' slot 0 is block 1
+    with pytest.raises(ValueError, match="name the same cache row"):
+        fp8_append_paged(k_cache, same, [5, 5], rows, k_scale=0.1)
+    fp8_append_paged(k_cache.clone(), same, [5, 6], rows, k_scale=0.1)  # same block, other rows: fine
     assert torch.equal(k_cache.view(torch.uint8), before)
