@@ -66,6 +66,7 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     576 = 512 + 64; see SUPPORTED_DV / SUPPORTED_ROPE); kv: [bs, max_seq_len,
     d] (the task's cache) or, with ``block_table`` [bs, max_blocks] int32,
     pages [num_blocks, block_size, (1,) d]; seqlens: [bs] int32 on the device;
+    softmax_scale: the scores' factor (None: d ** -0.5, as the serving API);
     rope_cs: None (keys used as stored) or ``rope_table(...)`` (the last rope
     key columns rotated at their position on the fly, the task's RoPE; bf16).
     kpe: None, or [bs, >= max_seq_len, rope] rows that replace the key's last
@@ -100,6 +101,8 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     require_kernels(q.device)
     if (out is None) != (lse is None):
         raise ValueError("pass both out and lse, or neither")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
     if out is None:
         return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
                                               kpe, int(head_dim_v), kpe_heads, plan, bool(split))
@@ -174,6 +177,12 @@ def kv_rows_bf16(kv, block_table, b, L):
 
 
 if kernels_built():
+    @torch.library.register_fake("mla_decode::plan")
+    def _plan_fake(seqlens, s_q, h_q, capacity, split=True):
+        # int32 [plan_size(bs, max parts)]: the parts depend on the GPU's SM count, so the length is
+        # data-dependent for tracing
+        return seqlens.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int32)
+
     @torch.library.register_fake("mla_decode::attention")
     def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None, head_dim_v=DV,
                         kpe_heads=None, plan=None, split=True):

@@ -66,12 +66,12 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
     device's SM count) and num_splits [b + 1] int32, the cumulative number of
     splits per sequence (num_splits[i+1] - num_splits[i] splits for sequence
     i), as FlashMLA returns it."""
+    _check_seqlens(cache_seqlens)
     require_kernels(cache_seqlens.device)
     if num_heads_k != 1:
         raise ValueError(f"num_heads_k must be 1 (MLA shares one latent KV head), got {num_heads_k}")
     if num_heads_per_head_k <= 0:
         raise ValueError(f"num_heads_per_head_k must be positive, got {num_heads_per_head_k}")
-    _check_seqlens(cache_seqlens)
     b = cache_seqlens.shape[0]
     # capacity is unknown here: plan against the lengths as given (the call
     # re-plans against its cache's capacity anyway)
@@ -93,8 +93,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     page_block_size, h_q, d - dv]; k_cache's last dimension is then dv.
     Block ids: an id outside [0, num_blocks) in a slot a sequence uses is
     read as block 0 (never outside k_cache; that sequence's output is then
-    unspecified). check_block_table=True (keyword) checks the used slots
-    first and raises ValueError naming the first bad one (a host
+    unspecified). Lengths: one above the block table's max_blocks *
+    page_block_size rows is held to it. check_block_table=True (keyword)
+    checks the lengths (within [0, max_blocks * page_block_size]) and the
+    used slots first and raises ValueError naming the first bad one (a host
     synchronization: a debugging mode, not for the hot path).
 
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32)."""
@@ -164,8 +166,16 @@ def _check_seqlens(cache_seqlens):
 
 
 def _check_block_ids(block_table, cache_seqlens, num_blocks, page):
-    """ValueError naming the first used block-table slot outside [0, num_blocks)."""
-    used = (cache_seqlens.to(torch.int64) + page - 1) // page                       # [b] slots in use
+    """ValueError naming the first length outside [0, max_blocks * page], or
+    the first used block-table slot outside [0, num_blocks)."""
+    lens = cache_seqlens.to(torch.int64)
+    cap = block_table.shape[1] * page
+    bad_len = (lens < 0) | (lens > cap)
+    if bool(bad_len.any()):
+        i = int(bad_len.nonzero()[0, 0])
+        raise ValueError(f"cache_seqlens[{i}] = {int(lens[i])} is outside [0, {cap}] (block_table's "
+                         f"{block_table.shape[1]} slots of {page} rows)")
+    used = (lens + page - 1) // page                                                # [b] slots in use
     slots = torch.arange(block_table.shape[1], device=block_table.device)
     bad = (slots[None, :] < used[:, None]) & ((block_table < 0) | (block_table >= num_blocks))
     if bool(bad.any()):

@@ -199,3 +199,21 @@ def test_lean_replay_declines_what_it_does_not_match():
     y, _ = mla_decode.custom_kernel((config, x, kv))  # (the checked path: the CPU fallback)
     assert kv.seq_len == 4 and y.shape == (2, 1, 64)
 
+
+@pytest.mark.skipif(not mla_decode._ext.kernels_built(), reason="the extension is not built")
+def test_plan_and_attention_trace_with_fake_tensors():
+    """torch.compile's tracing sees through the ops: the plan (a length that
+    depends on the GPU, so data-dependent for the tracer) feeding the
+    attention traces without a GPU or real data."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(seqlens, q, kv):
+        plan = torch.ops.mla_decode.plan(seqlens, 1, q.shape[2], kv.shape[1])
+        return torch.ops.mla_decode.attention(q, kv, seqlens, None, None, 0.1, False, None, 512, None, plan, True)
+
+    seqlens = torch.full((4,), 10, dtype=torch.int32)
+    q = torch.zeros(4, 1, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    graph = make_fx(step, tracing_mode="symbolic")(seqlens, q, kv)
+    called = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.mla_decode.plan.default in called and torch.ops.mla_decode.attention.default in called
