@@ -21,6 +21,9 @@ stages:
 - ``output``: o [bs, H, r] through W_UV per head into ``obuf`` [bs, H, v],
   then wo into ``y`` [bs, dim] (cuBLASLt where ``blas_lt_path`` says so).
 
+Each runs without autograd (the weights may be nn.Parameters; the outputs
+are written in place).
+
 The attention reads ``qbuf`` as [bs, 1, H, r + rope] with strides
 (r + rope, -, bs * (r + rope), 1). Rounding is the task's: every product is
 a bf16 GEMM (fp32 accumulation, bf16 result); RoPE is the task's
@@ -38,6 +41,7 @@ from .reference import rope_rotate
 __all__ = ["down", "query", "query_path", "rope_append", "output", "stage_weight_bytes", "gemm", "gemm_path", "blas_lt_path"]
 
 
+@torch.no_grad()
 def gemm(x, w, y, w1=None, y1=None, pdl=True, lt=False, own=False):
     """y = x w^T (and y1 = x w1^T, the same x read once), bf16, fp32
     accumulation, into y (and y1) as given. x [m, k] or [batch, m, k], w [n,
@@ -60,6 +64,7 @@ def gemm(x, w, y, w1=None, y1=None, pdl=True, lt=False, own=False):
             torch.bmm(x, ww.transpose(1, 2), out=yy)
 
 
+@torch.no_grad()
 def down(x2, w_qd, w_kvd):
     """x2 [bs, dim] -> (q_lora [bs, q_lora], kv_new [bs, r + rope]): both
     products on the weights where they lie (no concatenated copy: the task's
@@ -73,6 +78,7 @@ def down(x2, w_qd, w_kvd):
     return q_lora, kv_new
 
 
+@torch.no_grad()
 def query(q_lora, w_qu, w_uk, qbuf, path=None):
     """q_lora [bs, q_lora]; w_qu [H*(nope+rope), q_lora]; w_uk [H, nope, r]
     (a view of W_kv_up); qbuf [H, bs, r + rope]: columns 0..r-1 are written.
@@ -93,6 +99,7 @@ def query(q_lora, w_qu, w_uk, qbuf, path=None):
     return q[:, :, nope:]
 
 
+@torch.no_grad()
 def query_rope_append(q_lora, w_qu, w_uk, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=None):
     """``query`` then ``rope_append`` (same arguments; the attention's query
     view of qbuf returned): one launch of the fused Hopper query where
@@ -110,6 +117,7 @@ def query_rope_append(q_lora, w_qu, w_uk, kv_new, seqlens, tables, qbuf, cache, 
     return rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=kernel, kpe=kpe)
 
 
+@torch.no_grad()
 def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=None):
     """Rotate q_pe [bs, H, rope] at position seqlens[b] - 1 into qbuf[:, :,
     r:] and write kv_new [bs, r + rope] into cache[b, seqlens[b] - 1].
@@ -152,6 +160,7 @@ def _attention_query(qbuf):
     return qbuf.transpose(0, 1).unsqueeze(1)
 
 
+@torch.no_grad()
 def output(o_lat, w_uv_t, w_o, obuf, y):
     """o_lat [bs, H, r] (any strides with a unit last one); w_uv_t [H, r, v]
     (a view of W_kv_up); w_o [dim, H*v]; obuf [bs, H, v] and y [bs, dim]

@@ -145,6 +145,30 @@ def test_output_from_a_given_o(dev, bs, small):
     assert_task_rule(y, y_ref, "y")
 
 
+def test_stages_take_parameter_weights_outside_no_grad():
+    """The stage functions on nn.Parameter weights with autograd on: the
+    same bits as on plain tensors, and no graph recorded."""
+    small = dict(dim=256, q_lora_rank=96, n_heads=4, kv_lora_rank=64, nope=32, rope=16, v=24)
+    config, x, _ = generate_input(batch_size=3, prefill=0, max_seq_len=8, seed=7, **small)
+    H, nope, r, v = config.n_heads, config.qk_nope_head_dim, config.kv_lora_rank, config.v_head_dim
+    x2 = x.view(3, -1)
+    results = []
+    for wrap in (lambda w: w, torch.nn.Parameter):
+        w = {n: wrap(getattr(config, n).clone()) for n in ("Q_proj_down_weight", "KV_proj_down_weight",
+                                                            "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")}
+        q_lora, kv_new = projections.down(x2, w["Q_proj_down_weight"], w["KV_proj_down_weight"])
+        wkv = w["KV_proj_up_weight"].view(H, nope + v, r)
+        qbuf = torch.zeros(H, 3, r + config.qk_rope_head_dim, dtype=torch.bfloat16)
+        q_pe = projections.query(q_lora, w["Q_proj_up_weight"], wkv[:, :nope], qbuf)
+        obuf, y = torch.empty(3, H, v, dtype=torch.bfloat16), torch.empty(3, config.dim, dtype=torch.bfloat16)
+        projections.output(qbuf[:, :, :r].transpose(0, 1), wkv[:, nope:].transpose(1, 2), w["wo_weight"], obuf, y)
+        outs = (q_lora, kv_new, q_pe, qbuf, y)
+        assert not any(t.requires_grad for t in outs)
+        results.append(outs)
+    for a, b in zip(*results):
+        assert torch.equal(bits(a), bits(b))
+
+
 def test_stage_weight_bytes_match_the_weights():
     small = dict(dim=64, q_lora_rank=32, n_heads=2, kv_lora_rank=16, nope=8, rope=4, v=8)
     config, _, _ = generate_input(batch_size=1, prefill=0, max_seq_len=8, device="cpu", **small)
