@@ -22,7 +22,7 @@ than four are captured, and later a step whose operands come back soon
 without the host's launches. The state kept is bounded: at most four
 captured steps per process, at most four eager-step workspaces per GPU (one
 per stream), the RoPE table per device (128 bytes per position) and the
-attention's map tables (bounded_maps.cpp, four per process);
+attention's map tables (bounded_maps.cpp, four per GPU);
 ``release_cached()`` drops them all.
 
 Every call takes the lean path first (mla_decode._C.fast_step,

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -17,9 +18,9 @@
 namespace mla::api {
 namespace {
 
-// Registered bounded-map tables (attention_bounded_register): per device, the
-// layouts they serve, most recent first, at most kBoundedTables (2 x 128
-// bytes per cache row each). A table depends on nothing but the layout
+// Registered bounded-map tables (attention_bounded_register): the layouts
+// they serve, most recently used first, at most kBoundedTables per device
+// (2 x 128 bytes per cache row each; a device's least recently used goes). A table depends on nothing but the layout
 // (addresses, sizes, strides), so any call whose cache and kpe have exactly
 // a registered layout may use it. It is built on the registering stream
 // with no host wait: a use on another stream waits for `built` and records
@@ -50,14 +51,15 @@ bool capturing(stream_t stream) {
 
 at::Tensor bounded_table_for(int device, const BoundedLayout& l, stream_t stream) {
   std::lock_guard<std::mutex> lock(bounded_mu);
-  for (BoundedEntry& e : bounded_tables)
-    if (e.device == device && e.layout == l) {
-      if (e.stream != stream) {
-        check_launch(stream_wait_event(stream, e.built), "bounded TMA map table");
+  for (auto it = bounded_tables.begin(); it != bounded_tables.end(); ++it)
+    if (it->device == device && it->layout == l) {
+      if (it->stream != stream) {
+        check_launch(stream_wait_event(stream, it->built), "bounded TMA map table");
         c10::cuda::CUDACachingAllocator::recordStream(
-            e.table.storage().data_ptr(), at::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
+            it->table.storage().data_ptr(), at::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
       }
-      return e.table;
+      std::rotate(bounded_tables.begin(), it, it + 1);  // (most recently used first)
+      return bounded_tables.front().table;
     }
   return at::Tensor();
 }
@@ -108,12 +110,16 @@ at::Tensor bounded_table_or_build(int device, const BoundedLayout& bl, const at:
   }
   std::lock_guard<std::mutex> lock(bounded_mu);
   bounded_tables.insert(bounded_tables.begin(), BoundedEntry{device, bl, table, stream, built});
-  // the oldest goes: its memory returns to the allocator once the streams
-  // that used it are past those uses (recordStream above)
-  if (bounded_tables.size() > kBoundedTables) {
-    event_destroy(bounded_tables.back().built);
-    bounded_tables.pop_back();
-  }
+  // this device's least recently used goes: its memory returns to the
+  // allocator once the streams that used it are past those uses (recordStream
+  // above)
+  size_t here = 0;
+  for (auto it = bounded_tables.begin(); it != bounded_tables.end(); ++it)
+    if (it->device == device && ++here > kBoundedTables) {
+      event_destroy(it->built);
+      bounded_tables.erase(it);
+      break;
+    }
   return table;
 }
 
