@@ -395,9 +395,17 @@ void enqueue_attention(const AttnCall& c) {
                            ap.kpe,  ap.kpe_row_stride, ap.kpe_batch_stride, ap.kpe_rows, ap.rope};
     // (none while the stream captures: a graph would keep a table's address past its drop)
     const bool cap = c.capturing >= 0 ? c.capturing == 1 : capturing(stream);
-    const at::Tensor table = cap               ? at::Tensor()
-                             : c.build_table ? bounded_table_or_build(device, bl, kv.options(), stream)
-                                             : bounded_table_for(device, bl, stream);
+    at::Tensor table;
+    if (!cap) {
+      try {
+        table = c.build_table ? bounded_table_or_build(device, bl, kv.options(), stream)
+                              : bounded_table_for(device, bl, stream);
+      } catch (const c10::OutOfMemoryError&) {
+        // (the table is an optimisation: without room for it the kernel runs without; a decode step has
+        // already appended its row, so failing here would leave a half-done step)
+        table = at::Tensor();
+      }
+    }
     ap.bmaps = table.defined() ? table.data_ptr<uint8_t>() : nullptr;
     ap.bmaps_len = table.defined() ? ap.max_len : 0;
   }
