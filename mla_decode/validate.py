@@ -59,6 +59,8 @@ def elements_overlap(t) -> bool:
     smallest first, must step past everything the smaller ones span. (A
     sufficient test: a layout it refuses may in rare interleavings still be
     disjoint, never the reverse.)"""
+    if t.numel() == 0 or t.is_contiguous():
+        return False
     span = 1
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
         if stride < span:

@@ -109,8 +109,8 @@ def test_cache_with_shared_rows(small_input):
     kv.data = base.expand(3, -1, -1)
     call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache.data must give every sequence and row memory "
                                                            r"of its own .* strides \(0, 40, 1\)")
-    kv.data = kv.data[:, :1].expand(-1, 64, -1)
-    call_and_check_untouched(config, x, kv, MLAInputError, r"memory of its own")
+    kv.data = torch.zeros(3, 1, 40, dtype=torch.bfloat16).expand(3, 64, 40)  # (rows shared, sequences apart)
+    call_and_check_untouched(config, x, kv, MLAInputError, r"memory of its own.* strides \(40, 0, 1\)")
 
 
 def test_cache_not_contiguous_last_dim(small_input):

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include <c10/util/SmallVector.h>
 #include <torch/types.h>
 
 namespace mla::api {
@@ -97,7 +98,8 @@ inline void check_rows_aligned(const at::Tensor& t, const char* name) {
 // layout it refuses may in rare interleavings still be disjoint, never the
 // reverse. (mla_decode.validate.elements_overlap is the same test.)
 inline bool elements_overlap(const at::Tensor& t) {
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions that move
+  if (t.numel() == 0 || t.is_non_overlapping_and_dense()) return false;  // (PyTorch keeps that flag)
+  c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;  // (stride, size) of the dimensions that move
   for (int64_t i = 0; i < t.dim(); ++i)
     if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));
   std::sort(dims.begin(), dims.end());

@@ -139,7 +139,8 @@ StepOut replay(Entry& e, DeviceState& ds, int32_t len, stream_t stream) {
   check_launch(graph_launch(e.exec, stream), "decode step graph launch");
   e.last_len = len;
   e.next_len = static_cast<int64_t>(len) + e.step;
-  StepOut out = e.out;
+  StepOut out;  // (a y of the call's own; the entry keeps what the graph reads)
+  out.ran = e.out.ran;
   out.y = at::empty(e.out.y.sizes(), e.out.y.options());
   check_launch(memcpy_d2d_async(out.y.data_ptr(), e.out.y.data_ptr(), e.out.y.nbytes(), stream),
                "decode step output copy");
@@ -164,35 +165,37 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
   e->key = key;
   e->len_slot = at::empty({2}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));  // (before the capture)
   e->graph = std::make_unique<at::cuda::CUDAGraph>();
-  bool begun = false;
   // (outside the try: capture_end checks that the current stream is the
   // capture stream, so the guard must still be in force in the handler)
   c10::cuda::CUDAStreamGuard sg(*ds.side);
   try {
     e->graph->capture_begin(ds.has_pool ? ds.pool : at::cuda::MempoolId_t{0, 0},
                             MLA_RT(StreamCaptureModeThreadLocal));
-    begun = true;
     marks.begun = Clock::now();
     e->out = enqueue(e->len_slot.data_ptr<int32_t>(), true);
     marks.enqueued = Clock::now();
     e->graph->capture_end();  // (instantiates)
     marks.ended = Clock::now();
   } catch (...) {
-    if (begun) {
+    // Never leave the side stream (a pool stream other code may be handed) or
+    // this thread capturing. capture_end only while the stream still captures
+    // (a capture_end that ended the capture and then failed to instantiate
+    // must not run twice: it also ends the allocator's capture bookkeeping);
+    // then, whatever it managed, end a capture still open by hand.
+    bool still = false;
+    if (stream_capturing(ds.side->stream(), &still) == nullptr && still) {
       try {
         e->graph->capture_end();
       } catch (...) {
       }
-      // whatever capture_end managed, never leave the side stream (a pool
-      // stream other code may be handed) or this thread capturing
-      bool still = false;
+      still = false;
       if (stream_capturing(ds.side->stream(), &still) == nullptr && still) {
         MLA_RT(Graph_t) g = nullptr;
         (void)MLA_RT(StreamEndCapture)(ds.side->stream(), &g);
         if (g != nullptr) (void)MLA_RT(GraphDestroy)(g);
-        (void)MLA_RT(GetLastError)();
       }
     }
+    (void)MLA_RT(GetLastError)();
     // a graph object whose capture failed is left alone, not destroyed
     // (PyTorch's reset after a failed capture is not safe in every version)
     (void)e->graph.release();
