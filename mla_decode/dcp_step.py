@@ -54,7 +54,7 @@ from . import _ext
 from ._ext import kernels_usable
 from .attention import mla_attention
 from .dcp import _all_gather_pair, merge_attention_states, warn_fallback
-from .decoder import MLADecoder, rope_tables, writable
+from .decoder import MLADecoder, rope_tables
 from .reference import rope_rotate
 from .validate import MLAInputError, cache_parts, validate
 
@@ -116,6 +116,7 @@ class DCPDecoder:
         self.backend = backend
         self.last_backend = None
         self._tables = {}
+        self._outgrown = []
         self._lock = threading.Lock()
         self._single = None  # a group of one: custom_kernel's own decoder
 
@@ -127,6 +128,8 @@ class DCPDecoder:
             with self._lock:
                 t = self._tables.get(key)
                 if t is None or t.shape[0] < cap:
+                    if t is not None:  # (kept: a graph captured with it reads it where it lies)
+                        self._outgrown.append(t)
                     full = rope_tables(device, rope, world * cap)[0]
                     t = self._tables[key] = full[rank::world][:cap].contiguous()
         return t
@@ -161,7 +164,7 @@ class DCPDecoder:
         if which == "kernels" and not (kernels_usable(x.device) and kernel_sizes):
             raise MLAInputError(f"backend='kernels' needs a GPU the kernels run on and kv_lora_rank 512, "
                                 f"qk_rope_head_dim 64; got {x.device}, {dims.kv_lora}, {dims.rope}")
-        with torch.no_grad(), writable(data):
+        with torch.no_grad():
             y = self._step(config, dims, x, data, pos, world, rank, which)
         kv_local.seq_len = pos + 1
         self.last_backend = which
@@ -182,7 +185,8 @@ class DCPDecoder:
         projections._rope_out(qbuf, rope).copy_(rope_rotate(q_pe, cos2[pos], sin2[pos]))
         # 2. the new row, on its owner rank, at its local row
         if pos % world == rank:
-            data[:, pos // world] = kv_new
+            with projections.writable(data):
+                data[:, pos // world] = kv_new
         # 3. this rank's attention over its rows, keys rotated at their global positions
         L = pos + 1
         local_len = L // world + (1 if rank < L % world else 0)

@@ -38,7 +38,6 @@ refuse) takes the checked path in Python.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import warnings
@@ -56,18 +55,24 @@ __all__ = ["MLADecoder", "MLAInputError", "custom_kernel", "Dims", "release_cach
 
 _lock = threading.Lock()
 _rope_tables = {}  # device -> (cos | sin table [n, rope] as the kernels take it, cos2, sin2 [n, rope] in [a, a])
+_outgrown = []  # tables replaced by longer ones: kept until release_cached() (graphs may read them)
 
 
 def rope_tables(device, rope, positions):
     """RoPE tables covering at least ``positions`` positions on ``device``
-    (one per device and rope width, grown to the longest cache seen)."""
+    (one per device and rope width, grown to the longest cache seen, in
+    powers of two). A table outgrown stays alive until release_cached(): a
+    graph captured with it (a caller's capture of a step, or a step the
+    package captured) reads it where it lies."""
     key = (device, rope)
     t = _rope_tables.get(key)
     if t is None or t[0].shape[0] < positions:
         with _lock:
             t = _rope_tables.get(key)
             if t is None or t[0].shape[0] < positions:
-                table = rope_table(positions, rope, device)
+                if t is not None:
+                    _outgrown.append(t)
+                table = rope_table(1 << max(int(positions) - 1, 0).bit_length(), rope, device)
                 half = rope // 2
                 cos2 = torch.cat([table[:, :half], table[:, :half]], dim=-1)
                 sin2 = torch.cat([table[:, half:], table[:, half:]], dim=-1)
@@ -81,6 +86,7 @@ def release_cached() -> None:
     they need again."""
     with _lock:
         _rope_tables.clear()
+        _outgrown.clear()
     if _ext.kernels_built():
         _ext.module().release_cached()
         _ext.module().clear_step_plans()
@@ -148,7 +154,7 @@ class MLADecoder:
                 _ext.module().register_step_plan(x.device.index, sizes, x.shape[0], table, want)
         else:
             dims = validate(config, x, kv_cache)
-            with torch.no_grad(), writable(data):
+            with torch.no_grad():
                 y = _step_torch(config, dims, x, data, pos)
             self._ran = None
         kv_cache.seq_len = pos + 1
@@ -188,14 +194,6 @@ class MLADecoder:
             self._warned.add(why)
             warnings.warn(f"mla_decode: using the PyTorch fallback on {device}: {why}", RuntimeWarning, stacklevel=4)
         return "torch"
-
-
-def writable(data):
-    """A context in which the PyTorch backend may write ``data`` in place:
-    inference mode where data was made under it (an inference tensor, which
-    only inference mode may update; the kernels write it through its pointer
-    in any mode), else the caller's mode as it is."""
-    return torch.inference_mode() if data.is_inference() else contextlib.nullcontext()
 
 
 def _step_torch(config, dims, x, data, pos):

@@ -32,6 +32,8 @@ rotate-half in bf16, each product and the sum rounded.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _ext
@@ -138,16 +140,31 @@ def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=Non
         # skipped sequences' old values written back)
         pos = seqlens.to(torch.int64) - 1
         limit = min(cache.shape[1], tables[1].shape[0])
+        if limit == 0:  # (no position fits: every sequence skipped)
+            return _attention_query(qbuf)
         ok = (pos >= 0) & (pos < limit)
         pos = pos.clamp(0, limit - 1)
         cos, sin = tables[1][pos].unsqueeze(1), tables[2][pos].unsqueeze(1)
         q_out.copy_(torch.where(ok[:, None, None], rope_rotate(q_pe, cos, sin), q_out))
         rows = torch.arange(cache.shape[0], device=cache.device)
-        cache[rows, pos] = torch.where(ok[:, None], kv_new.to(cache.dtype), cache[rows, pos])
+        new = torch.where(ok[:, None], kv_new.to(cache.dtype), cache[rows, pos])
+        with writable(cache):
+            cache[rows, pos] = new
         if kpe is not None:
-            kpe[rows, pos] = torch.where(ok[:, None], rope_rotate(kv_new[:, None, -rope:], cos, sin)[:, 0].to(kpe.dtype),
-                                         kpe[rows, pos])
+            new = torch.where(ok[:, None], rope_rotate(kv_new[:, None, -rope:], cos, sin)[:, 0].to(kpe.dtype),
+                              kpe[rows, pos])
+            with writable(kpe):
+                kpe[rows, pos] = new
     return _attention_query(qbuf)
+
+
+def writable(t):
+    """A context in which PyTorch may write ``t`` in place: inference mode
+    where t was made under it (an inference tensor, which only inference
+    mode may update; the kernels write it through its pointer in any mode),
+    else the caller's mode as it is. Only the in-place write runs inside, so
+    the outputs are ordinary tensors either way."""
+    return torch.inference_mode() if t.is_inference() else contextlib.nullcontext()
 
 
 def _rope_out(qbuf, rope):

@@ -2,6 +2,8 @@
 a decode loop. Runs on the CPU everywhere (and on the GPU where one exists,
 through the fallback backend)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -150,6 +152,8 @@ def test_cache_made_under_inference_mode_stepped_outside_it(small_input):
     y_ref, data_ref = ref_kernel((config, x, kv_ref))
     assert_task_rule(y, y_ref, "y")
     assert torch.equal(data, data_ref) and kv.seq_len == 11
+    assert not y.is_inference()  # (an ordinary tensor, as the kernels return: only the cache write ran in inference mode)
+    y.add_(0)
 
 
 def test_cublaslt_is_never_asked_of_a_missing_extension(monkeypatch):
@@ -161,6 +165,39 @@ def test_cublaslt_is_never_asked_of_a_missing_extension(monkeypatch):
     gpu_like = type("GpuLike", (), {"is_cuda": True})()
     monkeypatch.setattr(_ext, "_C", None)
     assert not kernel_choice.blas_lt_path(gpu_like)
+
+
+def test_outgrown_rope_tables_live_until_release_cached():
+    """A longer cache replaces the RoPE table with a longer one; the old one
+    stays alive (a captured graph may read it) until release_cached()."""
+    import gc
+    import weakref
+
+    from mla_decode.decoder import rope_tables
+
+    mla_decode.release_cached()
+    old = rope_tables(torch.device("cpu"), 8, 100)
+    assert old[0].shape == (128, 8)  # (a power of two)
+    gone = [weakref.ref(t) for t in old]
+    del old
+    new = rope_tables(torch.device("cpu"), 8, 1000)
+    assert new[0].shape == (1024, 8)
+    gc.collect()
+    assert all(w() is not None for w in gone)
+    mla_decode.release_cached()
+    gc.collect()
+    assert all(w() is None for w in gone)
+
+
+def test_fallback_warnings_of_the_dcp_code_come_once_per_place_and_only_for_gpus():
+    from mla_decode.dcp import warn_fallback
+
+    with pytest.warns(RuntimeWarning, match="mla_decode: test_place runs the PyTorch backend on cuda:7: why"):
+        warn_fallback("test_place", torch.device("cuda", 7), "why")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_fallback("test_place", torch.device("cuda", 7), "why")  # (said already)
+        warn_fallback("test_place", torch.device("cpu"), "why")  # (the CPU's own path: nothing to say)
 
 
 def test_backend_is_named():
