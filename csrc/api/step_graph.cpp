@@ -120,8 +120,13 @@ DeviceState& device_state(int device) {
   return devices[device];
 }
 
-void wait_done(DeviceState& ds) {
-  if (ds.done != nullptr) (void)MLA_RT(EventSynchronize)(ds.done);
+// Waits for the device's last replay and its copy-out; false where the wait
+// failed (another thread's global-mode capture forbids it, say): then a
+// replay may still read the graphs and their pool, so nothing may be freed.
+bool wait_done(DeviceState& ds) {
+  if (ds.done == nullptr || MLA_RT(EventSynchronize)(ds.done) == MLA_RT(Success)) return true;
+  (void)MLA_RT(GetLastError)();
+  return false;
 }
 
 StepOut replay(Entry& e, DeviceState& ds, int32_t len, stream_t stream) {
@@ -309,7 +314,7 @@ StepOut run_step(const StepKey& key, int32_t len, const StepEnqueue& enqueue) {
     for (auto it = entries.begin(); it != entries.end(); ++it)
       if ((*it)->used < (*lru)->used) lru = it;
     DeviceState& old = device_state((*lru)->key.device);
-    wait_done(old);
+    if (!wait_done(old)) return out;  // (not now: this call stays eager, nothing freed)
     entries.erase(lru);
     if (--old.graphs == 0) old.has_pool = false;  // (PyTorch frees a pool with no graph left: the next capture makes one)
   }
@@ -365,7 +370,10 @@ bool replay_captured(const StepKey& prefix, int32_t len, StepOut* out) {
 
 void release_step_graphs() {
   std::lock_guard<std::mutex> lock(mu);
-  for (DeviceState& ds : devices) wait_done(ds);
+  for (DeviceState& ds : devices)
+    if (!wait_done(ds))
+      fail("release_cached: could not wait for the captured steps' last replay (is another thread capturing a "
+           "graph in global mode?); nothing was released");
   entries.clear();
   for (DeviceState& ds : devices) {
     ds.graphs = 0;
