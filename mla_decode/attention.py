@@ -166,6 +166,30 @@ def attention_reference(q, kv, seqlens, softmax_scale, *, block_table=None, rope
     return out, lse
 
 
+def check_paged_rows(block_table, seqlens, num_blocks, page, names=("block_table", "seqlens", "kv")):
+    """ValueError naming the first length outside [0, max_blocks * page],
+    or the first used block-table slot whose id is outside [0, num_blocks).
+    Reads the lengths and ids on the host (a synchronisation: for the
+    PyTorch paths and debugging modes; the kernels read such an id as block
+    0 and hold a length to the table's rows). ``names``: the caller's names
+    of the block table, the lengths and the cache, for the message."""
+    table_name, lens_name, cache_name = names
+    lens = seqlens.to(torch.int64)
+    cap = block_table.shape[1] * page
+    bad_len = (lens < 0) | (lens > cap)
+    if bool(bad_len.any()):
+        i = int(bad_len.nonzero()[0, 0])
+        raise ValueError(f"{lens_name}[{i}] = {int(lens[i])} is outside [0, {cap}] ({table_name}'s "
+                         f"{block_table.shape[1]} slots of {page} rows)")
+    used = (lens.to(block_table.device) + page - 1) // page                         # [b] slots in use
+    slots = torch.arange(block_table.shape[1], device=block_table.device)
+    bad = (slots[None, :] < used[:, None]) & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"{table_name}[{b}, {i}] = {int(block_table[b, i])} is outside {cache_name}'s "
+                         f"{num_blocks} blocks (sequence {b} uses its first {int(used[b])} slots)")
+
+
 def kv_rows_bf16(kv, block_table, b, L):
     """Rows 0..L-1 of sequence b: kv[b, :L], or gathered from the pages of
     block_table (any trailing dimensions kept)."""

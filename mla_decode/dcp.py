@@ -353,7 +353,10 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
     if which == "kernels":
         require_kernels(q.device)
     else:
-        _check_local_rows(k_cache_local, block_table_local, seqlens_local)
+        from .attention import check_paged_rows
+
+        check_paged_rows(block_table_local, seqlens_local, k_cache_local.shape[0], k_cache_local.shape[1],
+                         ("block_table_local", "seqlens_local", "k_cache_local"))
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("dcp_attention needs an initialised torch.distributed process group "
                            "(dist.init_process_group(\"nccl\") on GPUs, \"gloo\" on the CPU; a world of 1 works)")
@@ -383,30 +386,6 @@ def dcp_attention(q, k_cache_local, block_table_local, seqlens_local, head_dim_v
     outs, lses = _all_gather_pair(out, lse, world, group)
     merged, mlse = merge_attention_states(outs, lses)
     return merged.to(q.dtype), mlse
-
-
-def _check_local_rows(k_cache_local, block_table_local, seqlens_local):
-    """The PyTorch backend reads the lengths and block ids on the host: a
-    length outside [0, max_blocks * page] or a used slot's id outside [0,
-    num_blocks) raises ValueError naming it. (The kernels read such an id as
-    block 0 and hold a length to the table's capacity, without a host
-    synchronisation.)"""
-    num_blocks, page = k_cache_local.shape[0], k_cache_local.shape[1]
-    cap = block_table_local.shape[1] * page
-    lens = seqlens_local.to("cpu", torch.int64)
-    bad = (lens < 0) | (lens > cap)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"seqlens_local[{i}] = {int(lens[i])} is outside [0, {cap}] (block_table_local's "
-                         f"{block_table_local.shape[1]} slots of {page} rows)")
-    used = (lens + page - 1) // page
-    ids = block_table_local.to("cpu", torch.int64)
-    slots = torch.arange(ids.shape[1])
-    bad = (slots[None, :] < used[:, None]) & ((ids < 0) | (ids >= num_blocks))
-    if bool(bad.any()):
-        b, i = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"block_table_local[{b}, {i}] = {int(ids[b, i])} is outside k_cache_local's {num_blocks} "
-                         f"blocks (sequence {b} uses its first {int(used[b])} slots)")
 
 
 _warned = set()

@@ -51,7 +51,7 @@ import warnings
 import torch
 
 from ._ext import require_kernels
-from .attention import check_attention_shape
+from .attention import check_attention_shape, check_paged_rows
 
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache"]
 
@@ -126,7 +126,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     if check_block_table:
-        _check_block_ids(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+        check_paged_rows(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1],
+                         ("block_table", "cache_seqlens", "k_cache"))
     args = (q, k_cache, cache_seqlens, block_table, None, float(softmax_scale), bool(causal), None, int(head_dim_v),
             kpe_cache)
     if kpe_cache is None and head_dim_v == 512 and d == 576:  # the shape get_mla_metadata plans for
@@ -164,21 +165,3 @@ def _check_seqlens(cache_seqlens):
     if not cache_seqlens.is_cuda:
         raise ValueError(f"cache_seqlens must be on the GPU, got {cache_seqlens.device}")
 
-
-def _check_block_ids(block_table, cache_seqlens, num_blocks, page):
-    """ValueError naming the first length outside [0, max_blocks * page], or
-    the first used block-table slot outside [0, num_blocks)."""
-    lens = cache_seqlens.to(torch.int64)
-    cap = block_table.shape[1] * page
-    bad_len = (lens < 0) | (lens > cap)
-    if bool(bad_len.any()):
-        i = int(bad_len.nonzero()[0, 0])
-        raise ValueError(f"cache_seqlens[{i}] = {int(lens[i])} is outside [0, {cap}] (block_table's "
-                         f"{block_table.shape[1]} slots of {page} rows)")
-    used = (lens + page - 1) // page                                                # [b] slots in use
-    slots = torch.arange(block_table.shape[1], device=block_table.device)
-    bad = (slots[None, :] < used[:, None]) & ((block_table < 0) | (block_table >= num_blocks))
-    if bool(bad.any()):
-        b, i = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}, {i}] = {int(block_table[b, i])} is outside k_cache's "
-                         f"{num_blocks} blocks (sequence {b} uses its first {int(used[b])} slots)")
