@@ -164,4 +164,3 @@ def _check_seqlens(cache_seqlens):
                         f"{list(getattr(cache_seqlens, 'shape', []))}")
     if not cache_seqlens.is_cuda:
         raise ValueError(f"cache_seqlens must be on the GPU, got {cache_seqlens.device}")
-

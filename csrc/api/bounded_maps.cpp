@@ -20,12 +20,13 @@ namespace {
 
 // Registered bounded-map tables (attention_bounded_register): the layouts
 // they serve, most recently used first, at most kBoundedTables per device
-// (2 x 128 bytes per cache row each; a device's least recently used goes). A table depends on nothing but the layout
-// (addresses, sizes, strides), so any call whose cache and kpe have exactly
-// a registered layout may use it. It is built on the registering stream
-// with no host wait: a use on another stream waits for `built` and records
-// the stream with the caching allocator, so a dropped table's memory is
-// reused only after every such use. Calls made while their stream captures
+// (2 x 128 bytes per cache row each; a device's least recently used goes).
+// A table depends on nothing but the layout (addresses, sizes, strides), so
+// any call whose cache and kpe have exactly a registered layout may use it.
+// It is built on the registering stream with no host wait: a use on another
+// stream waits for `built` and records the stream with the caching
+// allocator, so a dropped table's memory is reused only after every such
+// use. Calls made while their stream captures
 // a graph use no table (a graph would keep its address past a drop).
 constexpr size_t kBoundedTables = 4;
 struct BoundedEntry {
