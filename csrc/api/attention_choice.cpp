@@ -55,6 +55,17 @@ AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_th
 
 }  // namespace
 
+int portable_rows_per_block(int64_t rows) {
+  static const int cap = [] {
+    const int v = env_int("MLA_DECODE_PORTABLE_ROWS");
+    if (v != 0 && v != 16 && v != 32 && v != 64)
+      fail_value("MLA_DECODE_PORTABLE_ROWS must be 16, 32 or 64, got " + num(int64_t{v}));
+    return v == 0 ? 64 : v;
+  }();
+  const int want = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
+  return std::min(want, cap);
+}
+
 int shape_index(int64_t dv, int64_t rope) {
   static constexpr int64_t kDvs[] = {64, 128, 256, 512}, kRopes[] = {0, 8, 16, 32, 64};
   int i = -1, j = -1;
@@ -63,15 +74,18 @@ int shape_index(int64_t dv, int64_t rope) {
   return i < 0 || j < 0 ? -1 : i * 5 + j;
 }
 
-const DeviceAttnInfo& device_attn_info(int device, int64_t dv, int64_t rope, bool rope_on_the_fly) {
+const DeviceAttnInfo& device_attn_info(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, int64_t rows) {
   static std::mutex mu;
-  static std::array<std::array<DeviceAttnInfo, 2 * kShapes>, 64> cache{};
-  static std::array<std::array<bool, 2 * kShapes>, 64> ready{};
+  // per device: shape x RoPE on the fly x the portable head block (16, 32, 64 rows)
+  static std::array<std::array<DeviceAttnInfo, 6 * kShapes>, 64> cache{};
+  static std::array<std::array<bool, 6 * kShapes>, 64> ready{};
   if (device < 0 || device >= 64) fail_value("device index out of range: " + num(int64_t{device}));
   const int shape = shape_index(dv, rope);
   if (shape < 0)
     fail_value("unsupported attention shape dv=" + num(dv) + ", rope=" + num(rope) + "; " + kAttnShapesSupported);
-  const int si = 2 * shape + (rope_on_the_fly ? 1 : 0);
+  if (rows <= 0) fail_value("attention: query rows per sequence must be positive, got " + num(rows));
+  const int block_rows = portable_rows_per_block(rows);
+  const int si = 6 * shape + 3 * (rope_on_the_fly ? 1 : 0) + (block_rows == 16 ? 0 : block_rows == 32 ? 1 : 2);
   std::lock_guard<std::mutex> lock(mu);
   if (!ready[device][si]) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -80,7 +94,7 @@ const DeviceAttnInfo& device_attn_info(int device, int64_t dv, int64_t rope, boo
     info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly);
     check_launch(info.kind == AttnKernel::kHopper
                      ? attn_kernel_info_sm90(static_cast<int>(dv), rope == 0, &info.kernel)
-                     : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), &info.kernel),
+                     : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), block_rows, &info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
       fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +
@@ -106,7 +120,9 @@ std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, con
 
 int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {
   if (s_q <= 0 || h_q <= 0) fail_value("plan_target_parts: s_q and h_q must be positive, got " + num(s_q) + ", " + num(h_q));
-  return detail::plan_parts(1, s_q, h_q, detail::device_attn_info(static_cast<int>(device))).first;
+  return detail::plan_parts(1, s_q, h_q,
+                            detail::device_attn_info(static_cast<int>(device), detail::kDv, detail::kRope, false, s_q * h_q))
+      .first;
 }
 
 std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {

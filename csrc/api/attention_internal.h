@@ -28,10 +28,19 @@ struct DeviceAttnInfo {
   AttnKernel kind = AttnKernel::kPortable;
 };
 
-// Kernel facts and the SM/CU count, read once per device and shape (and
-// whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64).
+// Kernel facts and the SM/CU count, read once per device, shape (and
+// whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64)
+// and head block: the portable kernel's instance follows the query rows per
+// sequence, rows = s_q * h_q (portable_rows_per_block); the Hopper kernel's
+// does not.
 const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope,
-                                       bool rope_on_the_fly = false);
+                                       bool rope_on_the_fly = false, int64_t rows = 128);
+
+// The portable kernel's head block for s_q * h_q query rows per sequence:
+// 16, 32 or 64 rows, the smallest that holds them (few heads pay for no
+// padding rows). MLA_DECODE_PORTABLE_ROWS=16|32|64 caps it (measurements;
+// read once).
+int portable_rows_per_block(int64_t rows);
 
 // Parts wanted for one head block (from the SM count and the kernel's
 // residency) and the plan's capacity in parts, for bs sequences of s_q x h_q

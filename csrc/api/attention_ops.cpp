@@ -124,12 +124,12 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
     fail_value("plan: s_q and h_q must be positive and capacity non-negative, got s_q=" + num(s_q) + " h_q=" + num(h_q) +
                " capacity=" + num(capacity));
   c10::cuda::CUDAGuard guard(seqlens.device());
-  const DeviceAttnInfo& info = device_attn_info(seqlens.device().index());
+  const DeviceAttnInfo& info = device_attn_info(seqlens.device().index(), detail::kDv, detail::kRope, false, s_q * h_q);
   return make_plan(seqlens, s_q, h_q, capacity, info, at::cuda::getCurrentCUDAStream().stream(), split).plan;
 }
 
 PlanParams step_plan_params(int device, int64_t bs, int64_t h_q, int64_t capacity, bool split, int64_t* plan_elems) {
-  return plan_params(bs, 1, h_q, capacity, device_attn_info(device, detail::kDv, detail::kRope, true), split,
+  return plan_params(bs, 1, h_q, capacity, device_attn_info(device, detail::kDv, detail::kRope, true, h_q), split,
                      plan_elems);
 }
 
@@ -268,7 +268,7 @@ void enqueue_attention(const AttnCall& c) {
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
   const int64_t rows = s_q * h_q;
-  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value());
+  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value(), rows);
   auto stream = at::cuda::getCurrentCUDAStream(device).stream();
   // the split plan: made here (the planner launch), or passed in from the
   // plan op (planned beforehand, once for every call with these lengths)
@@ -277,7 +277,7 @@ void enqueue_attention(const AttnCall& c) {
     pl = {*plan_in, plan_parts(bs, s_q, h_q, info, split).second};
   } else if (plan_in.has_value()) {
     const at::Tensor& pt = *plan_in;
-    const DeviceAttnInfo& pinfo = device_attn_info(device);  // what the plan op plans with
+    const DeviceAttnInfo& pinfo = device_attn_info(device, detail::kDv, detail::kRope, false, rows);  // what the plan op plans with
     if (pinfo.kind != info.kind || pinfo.kernel.tile != info.kernel.tile ||
         pinfo.kernel.rows_per_block != info.kernel.rows_per_block ||
         pinfo.kernel.blocks_per_sm != info.kernel.blocks_per_sm)
@@ -410,7 +410,7 @@ void enqueue_attention(const AttnCall& c) {
     ap.bmaps_len = table.defined() ? ap.max_len : 0;
   }
   check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
-                                                : launch_attention_portable(ap, stream),
+                                                : launch_attention_portable(ap, info.kernel.rows_per_block, stream),
                "attention launch");
 
   if (!split) return;  // every sequence was one part: the attention wrote out and lse itself

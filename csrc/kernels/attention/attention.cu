@@ -1,25 +1,40 @@
-// Split-KV absorbed MQA decode over the latent cache (pipeline step 3).
+// Split-KV absorbed MQA decode over the latent cache: the portable kernel,
+// written on the tile-MMA interface (mma.sync on NVIDIA, MFMA on AMD gfx942).
 //
 // One block = one head block (kM query rows) x one planned part (a range of
-// key tiles of one sequence). Warps form a kWM x kWN grid: warp (wm, wn)
-// holds query rows [16 wm, 16 wm + 16) and
-//   - for S = Q K^T: the k-range [wn D/kWN, (wn+1) D/kWN) with its Q slice in
-//     registers, so Q is read from memory once per block, never per tile;
-//     the kWN partial scores are summed through shared memory;
-//   - for O += P V: output columns [wn Dv/kWN, (wn+1) Dv/kWN).
-// Keys stream through a kStages-deep shared-memory ring; rows past the
-// sequence are zero-filled (so NaN in unused cache rows never reaches P V)
-// and masked to -inf in the scores. RoPE of the keys is applied in shared
-// memory, with the caller's bf16 cos/sin table, exactly as the task rounds it.
+// key tiles of one sequence). Keys stream through a kStages-deep ring in
+// shared memory; rows past the sequence are zero-filled (so NaN in unused
+// cache rows never reaches P V) and masked to -inf in the scores. Per key
+// tile, three stages (device functions below) separated by block barriers:
+//   scores   S = Q K^T. Warps form a kSMW x kSDW grid over (rows, D): warp
+//            (sm, sd) keeps its Q slice, rows [kSM sm, +kSM) x columns
+//            [kSD sd, +kSD), in registers for the whole part (Q is read from
+//            memory once per block) and writes fp32 partial scores.
+//   softmax  every thread owns kSmCols keys of one row: it sums the kSDW
+//            partials, keeps the row's running max and sum, and writes P
+//            (bf16/fp16) and the row's rescale factor.
+//   P V      warps form a kPMW x kPNW grid over (rows, Dv): warp (pm, pn)
+//            keeps O rows [kPM pm, +kPM) x columns [kPN pn, +kPN) in fp32
+//            registers.
+// The two grids differ because the two products want different shapes: a
+// warp reads from shared memory every key fragment it multiplies, so the
+// more rows a warp covers, the fewer times a key tile is read (the limit of
+// a tile-MMA kernel is shared-memory bandwidth: docs/attention.md). Rows per
+// warp are bounded by registers: Q slice plus O must fit beside the
+// fragments in flight. The head block kM follows s_q * h_q (16, 32 or 64
+// rows; the host picks the instance), so that few heads do not pay for
+// padding rows.
 //
 // Shapes: D = Dv + rope with the rope columns shared by all heads (DeepSeek:
 // 512 + 64), or D = Dv with per-head rope keys (MHA2MLA): then the rope part
 // of every score, q_pe[h] . k_pe[t, h], is computed by rope_scores_kernel
 // beforehand into an fp32 workspace [bs, rows, rs_stride] that streams in
-// with the keys and is added to the latent part. D is padded to the k-split
-// (16 kWN columns) in registers and shared memory only (zeros, never read
-// from memory).
+// with the keys and is added in the softmax. D is padded to the k-split
+// (16 kSDW columns) in registers and shared memory only (zeros, never read
+// from memory). RoPE of the keys, when asked for, is applied in shared
+// memory with the caller's bf16 cos/sin table, exactly as the task rounds it.
 #include <algorithm>
+#include <type_traits>
 
 #include "../../platform/bf16.h"
 #include "../../platform/copy.h"
@@ -33,306 +48,446 @@
 namespace mla {
 namespace {
 
-template <int kD_, int kDv_, int kWM_, int kWN_, int kBN_, int kStages_>
+// kM rows per block; scores on a kSMW x kSDW warp grid, P V on kPMW x
+// (warps / kPMW); kBN keys per tile, kStages tiles in the ring; kMinBlocks
+// blocks per SM/CU the register allocation must allow.
+template <int kD_, int kDv_, int kM_, int kSMW_, int kSDW_, int kPMW_, int kBN_, int kStages_, int kMinBlocks_>
 struct AttnTile {
   static constexpr int kD = kD_;
   static constexpr int kDv = kDv_;
-  static constexpr int kRope = kD - kDv;           // 0: per-head rope keys (scores from the workspace)
+  static constexpr int kRope = kD - kDv;  // 0: per-head rope keys (scores from the workspace)
   static constexpr bool kHeadRope = kRope == 0;
-  static constexpr int kWM = kWM_, kWN = kWN_, kBN = kBN_, kStages = kStages_;
-  static constexpr int kWarps = kWM * kWN;
+  static constexpr int kM = kM_, kBN = kBN_, kStages = kStages_, kMinBlocks = kMinBlocks_;
+  static constexpr int kWarps = kSMW_ * kSDW_;
   static constexpr int kThreads = kWarps * kWarpSize;
-  static constexpr int kM = 16 * kWM;
-  static constexpr int kDp = (kD + 16 * kWN - 1) / (16 * kWN) * (16 * kWN);  // D padded to the k-split
-  static constexpr int kLd = kDp + 8;      // +16 B per row: ldmatrix rows hit distinct banks
-  static constexpr int kPLd = kBN + 8;
-  static constexpr int kKSteps = kDp / 16 / kWN;
-  static constexpr int kNTiles = kDv / 16 / kWN;
-  static constexpr int kSTiles = kBN / 16;
-  static constexpr int kLanesPerRow = kWarpSize / 16;
-  static constexpr int kColsPerLane = kBN / kLanesPerRow;
-  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks read from memory
+  // scores: warp grid, rows and k-steps per warp
+  static constexpr int kSMW = kSMW_, kSDW = kSDW_;
+  static constexpr int kSM = kM / kSMW, kSMT = kSM / 16;
+  static constexpr int kSKS = (kD + 16 * kSDW - 1) / (16 * kSDW);
+  static constexpr int kSD = 16 * kSKS;
+  static constexpr int kDp = kSD * kSDW;  // D padded to the k-split
+  // P V: warp grid, rows and columns per warp
+  static constexpr int kPMW = kPMW_, kPNW = kWarps / kPMW;
+  static constexpr int kPM = kM / kPMW, kPMT = kPM / 16;
+  static constexpr int kPN = kDv / kPNW, kPNT = kPN / 16;
+  // loads: kLdTpr threads per key row, 16 bytes each per step
+  static constexpr int kLdTpr = kThreads / kBN;
+  static constexpr int kChunksPerRow = kD / 8;   // 16-byte chunks read from memory
   static constexpr int kChunksPadded = kDp / 8;  // ... and zero-filled up to the padded width
+  static constexpr int kLdSteps = (kChunksPadded + kLdTpr - 1) / kLdTpr;
+  // softmax: kSmLanes threads per row (adjacent lanes of one warp), kSmCols keys each
+  static constexpr int kSmLanes = kThreads / kM, kSmCols = kBN / kSmLanes;
+
+  static constexpr int kLd = kDp + 8;   // key rows (bf16): +16 B, ldmatrix rows on distinct banks
+  static constexpr int kSLd = kBN + 4;  // partial-score rows (fp32): 16-byte aligned for vector reads
+  static constexpr int kPLd = kBN + 8;  // P rows (bf16)
+  static constexpr int kRsLd = kBN + 4;  // per-head rope-score rows (fp32, 16-byte rows for the copies)
 
   static constexpr int kKvBytes = kStages * kBN * kLd * 2;
-  // score rows padded by one float: the softmax reads a column of 16 rows at
-  // once (16 rows x kBN floats would put them all in one bank)
-  static constexpr int kSLd = kBN + 1;
-  static constexpr int kSBytes = kWN * kM * kSLd * 4;
-  static constexpr int kPBytes = kWarps * 16 * kPLd * 2;
-  static constexpr int kRowBytes = kWarps * 16 * 4;
+  static constexpr int kSBytes = kSDW * kM * kSLd * 4;
+  static constexpr int kPBytes = kM * kPLd * 2;
+  static constexpr int kRowBytes = kM * 4;
   static constexpr int kCsBytes = kStages * kBN * kRope * 2;  // RoPE cos|sin rows, prefetched with the keys
-  static constexpr int kRsLd = kBN + 4;  // (16-byte rows for cp.async; 4-way instead of 16-way bank conflicts)
   static constexpr int kRsBytes = kHeadRope ? kStages * kM * kRsLd * 4 : 0;  // per-head rope scores, likewise
   static constexpr int kSmem = kKvBytes + kSBytes + kPBytes + kRowBytes + kCsBytes + kRsBytes;
 
-  static_assert(kDv % (16 * kWN) == 0, "Dv must split over kWN warps");
+  static_assert(kM % kSMW == 0 && kSM % 16 == 0, "score warps must hold whole 16-row tiles");
+  static_assert(kWarps % kPMW == 0 && kM % kPMW == 0 && kPM % 16 == 0, "P V warps must hold whole 16-row tiles");
+  static_assert(kDv % kPNW == 0 && kPN % 16 == 0, "Dv must split into 16-column tiles over the P V warps");
   static_assert(kD % 8 == 0 && kRope % 8 == 0 && kRope >= 0, "bad D / rope");
-  static_assert(kBN % 16 == 0 && kColsPerLane % 2 == 0, "bad key tile");
+  static_assert(kBN % 16 == 0 && kThreads % kBN == 0, "bad key tile");
+  static_assert(kThreads % kM == 0 && kSmLanes <= kWarpSize && (kSmLanes & (kSmLanes - 1)) == 0 &&
+                    kBN % kSmLanes == 0 && kSmCols % 2 == 0,
+                "softmax: a row's lanes must be a power of two within a warp, with an even count of keys each");
   static_assert(kStages >= 2, "need at least double buffering");
 };
 
-// The tile configuration per vendor.
+// The tile configurations per vendor and head block (kM = 16, 32 or 64 rows).
 #if MLA_AMD
-// MI300X: 64 KB LDS per CU, wave64. Q and O live in VGPRs/AGPRs (72 + 128
-// per lane), the LDS holds a 2 x 16-key ring (49 KB with the RoPE rows).
+// MI300X: 64 KB LDS per CU, wave64, 512 VGPRs (with AGPRs) per lane. A wave
+// holds 16 score rows over all of D (Q slice 72 VGPRs) and P V's 64 rows x
+// 128 columns (O 128): no partial scores to add at 64 rows. The LDS holds a
+// 2 x 16-key ring (37 KB) beside the scores, P and the RoPE rows.
+template <int kD, int kDv, int kM>
+struct TileChoice;
 template <int kD, int kDv>
-using TileFor = AttnTile<kD, kDv, 4, 1, 16, 2>;
+struct TileChoice<kD, kDv, 64> { using type = AttnTile<kD, kDv, 64, 4, 1, 1, 16, 2, 1>; };
+template <int kD, int kDv>
+struct TileChoice<kD, kDv, 32> { using type = AttnTile<kD, kDv, 32, 2, 2, 1, 16, 2, 1>; };
+template <int kD, int kDv>
+struct TileChoice<kD, kDv, 16> { using type = AttnTile<kD, kDv, 16, 1, 2, 1, 16, 2, 1>; };
 #else
-// H100/H200 (when the Hopper kernel is not used): 8 warps, Q slice 72 + O 128
-// registers per thread, one block per SM by registers, a 3 x 32-key ring
-// (a 2-deep ring, 16 warps and 64-key tiles were slower: docs/not_kept.md).
+// NVIDIA (when the Hopper kernel is not used): 64 rows on 8 warps, scores on
+// 2 x 4 (32 rows x 144 columns: Q slice 72 registers), P V on 1 x 8 (64 rows x
+// 64 columns: O 128), one block per SM, a 3 x 32-key ring; 32 rows on 4 warps
+// (scores 1 x 4, P V 1 x 4), two blocks per SM; 16 rows (dv 512) on 8 warps
+// (scores 1 x 8 over D padded to 640, P V 1 x 8: 120 registers), two blocks
+// per SM, each a 2 x 32-key ring. The choices and the ones measured slower:
+// docs/attention.md.
+template <int kD, int kDv, int kM>
+struct TileChoice;
 template <int kD, int kDv>
-using TileFor = AttnTile<kD, kDv, 4, 2, 32, 3>;
+struct TileChoice<kD, kDv, 64> { using type = AttnTile<kD, kDv, 64, 2, 4, (kDv >= 128 ? 1 : 2), 32, 3, 1>; };
+template <int kD, int kDv>
+struct TileChoice<kD, kDv, 32> { using type = AttnTile<kD, kDv, 32, 1, 4, 1, 32, 2, 2>; };
+template <int kD, int kDv>
+struct TileChoice<kD, kDv, 16> {
+  using type = std::conditional_t<(kDv >= 512), AttnTile<kD, kDv, 16, 1, 8, 1, 32, 2, 2>,
+                                  AttnTile<kD, kDv, 16, 1, 4, 1, 32, 2, 2>>;
+};
 #endif
+template <int kD, int kDv, int kM>
+using TileFor = typename TileChoice<kD, kDv, kM>::type;
 
+// The shared-memory carve-up of one block.
 template <typename T>
+struct Smem {
+  bf16_t* kv;   // [kStages][kBN][kLd] key ring
+  float* s;     // [kSDW][kM][kSLd] partial scores
+  bf16_t* p;    // [kM][kPLd] P of the current tile
+  float* row;   // [kM] the rows' rescale factors, then 1 / sum
+  bf16_t* cs;   // [kStages][kBN][kRope] the keys' cos|sin rows
+  float* rs;    // [kStages][kM][kRsLd] per-head rope scores
+  MLA_DEVICE explicit Smem(unsigned char* base)
+      : kv(reinterpret_cast<bf16_t*>(base)),
+        s(reinterpret_cast<float*>(base + T::kKvBytes)),
+        p(reinterpret_cast<bf16_t*>(base + T::kKvBytes + T::kSBytes)),
+        row(reinterpret_cast<float*>(base + T::kKvBytes + T::kSBytes + T::kPBytes)),
+        cs(reinterpret_cast<bf16_t*>(base + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes)),
+        rs(reinterpret_cast<float*>(base + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes + T::kCsBytes)) {}
+};
+
 MLA_DEVICE const bf16_t* kv_row(const AttnParams& p, int b, int t) {
   if (p.block_table == nullptr) return p.kv + b * p.kv_page_stride + t * p.kv_row_stride;
   const int page = page_id(p.block_table, b * p.block_table_stride + t / p.page_size, p.num_pages);
   return p.kv + page * p.kv_page_stride + (t % p.page_size) * p.kv_row_stride;
 }
 
+// Issue the copies of key tile j of the part into its ring slot (and its
+// cos|sin rows or per-head rope scores). Each thread copies kLdSteps chunks
+// of one key row: one page lookup per row and tile.
+template <typename T>
+MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
+  const int slot = j % T::kStages, tile = pt.tile_begin + j;
+  {
+    const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr, t = tile * T::kBN + r;
+    const bool row_ok = t < pt.L;
+    const bf16_t* row = row_ok ? kv_row(p, pt.b, t) : p.kv;
+    const bf16_t* kpe_row = row_ok && p.kpe != nullptr
+                                ? p.kpe + pt.b * p.kpe_batch_stride + static_cast<int64_t>(t) * p.kpe_row_stride
+                                : p.kv;
+    bf16_t* dst = sm.kv + (slot * T::kBN + r) * T::kLd;
+    constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
+#pragma unroll
+    for (int k = 0; k < T::kLdSteps; ++k) {
+      const int ch = lr + k * T::kLdTpr;
+      if (T::kChunksPadded % T::kLdTpr != 0 && ch >= T::kChunksPadded) break;
+      const bool valid = row_ok && ch < T::kChunksPerRow;  // (padding columns: zeros)
+      const bf16_t* src = !valid                                   ? p.kv
+                          : (p.kpe != nullptr && ch >= kRopeChunk) ? kpe_row + (ch - kRopeChunk) * 8
+                                                                   : row + ch * 8;
+      copy16_async(dst + ch * 8, src, valid);
+    }
+  }
+  if constexpr (T::kHeadRope) {  // the rope scores of this block's rows for these keys (4 per chunk)
+    constexpr int kRsChunks = T::kBN / 4;
+    float* rdst = sm.rs + slot * T::kM * T::kRsLd;
+    for (int c = tid; c < T::kM * kRsChunks; c += T::kThreads) {
+      const int r = c / kRsChunks, t = tile * T::kBN + 4 * (c % kRsChunks), row = block_x() * T::kM + r;
+      const bool valid = row < p.rows && t < pt.L;  // (t + 1..3 >= L lie inside the workspace; masked later)
+      copy16_async(rdst + r * T::kRsLd + 4 * (c % kRsChunks),
+                   valid ? p.rope_scores + (static_cast<int64_t>(pt.b) * p.rows + row) * p.rs_stride + t
+                         : p.rope_scores,
+                   valid);
+    }
+  } else if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
+    constexpr int kCsChunks = T::kRope / 8;
+    bf16_t* cdst = sm.cs + slot * T::kBN * T::kRope;
+    for (int c = tid; c < T::kBN * kCsChunks; c += T::kThreads) {
+      const int t = tile * T::kBN + c / kCsChunks;
+      const bool valid = t < pt.L;
+      copy16_async(cdst + c * 8, valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + (c % kCsChunks) * 8 : p.rope_cs,
+                   valid);
+    }
+  }
+}
+
+// This warp's Q slice of the scores grid, straight from memory into registers.
+template <typename T>
+MLA_DEVICE void load_q(const AttnParams& p, int b, int warp, mma::FragA (&qf)[T::kSMT][T::kSKS]) {
+  const int sm_w = warp % T::kSMW, sd_w = warp / T::kSMW;
+  const int row0 = block_x() * T::kM + sm_w * T::kSM;
+  const bf16_t* qp = p.q + b * p.q_batch_stride + row0 * p.q_row_stride + sd_w * T::kSD;
+#pragma unroll
+  for (int mt = 0; mt < T::kSMT; ++mt)
+#pragma unroll
+    for (int ks = 0; ks < T::kSKS; ++ks)
+      mma::load_a_global(qf[mt][ks], qp + mt * 16 * p.q_row_stride + ks * 16, p.q_row_stride,
+                         p.rows - row0 - mt * 16, T::kD - sd_w * T::kSD - ks * 16);
+}
+
+// rot(x, t) = x cos + cat(-x2, x1) sin on the tile's rope columns in shared
+// memory, every product and sum rounded to bf16 (the task's semantics).
+template <typename T>
+MLA_DEVICE void rope_tile(bf16_t* kt, const bf16_t* cs_tile, int key0, int L, int tid) {
+  constexpr int kHalf = T::kRope / 2;
+  for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
+    const int r = e / kHalf, jj = e % kHalf;
+    if (key0 + r < L) {
+      bf16_t* x = kt + r * T::kLd + (T::kD - T::kRope);
+      const bf16_t* cs = cs_tile + r * T::kRope;
+      const float c = bf16_to_float(cs[jj]);
+      const float s = bf16_to_float(cs[kHalf + jj]);
+      const float x1 = bf16_to_float(x[jj]), x2 = bf16_to_float(x[kHalf + jj]);
+      x[jj] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+      x[kHalf + jj] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+    }
+  }
+}
+
+// Store a C fragment (16 x 16 fp32) at row-major dst with row stride ld.
+MLA_DEVICE void store_c(const mma::FragC& c, float* dst, int ld, int lane) {
+#pragma unroll
+  for (int i = 0; i < mma::kCElems; i += (mma::kCPairedCols ? 2 : 1)) {
+    float* d = dst + mma::c_row(lane, i) * ld + mma::c_col(lane, i);
+    if constexpr (mma::kCPairedCols)
+      *reinterpret_cast<float2*>(d) = make_float2(c.v[i], c.v[i + 1]);
+    else
+      *d = c.v[i];
+  }
+}
+
+// Stage 1: this warp's partial scores over its D slice, for every key of the
+// tile, into s_s[sd][row][key].
+template <typename T, bool kF16>
+MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* kt, float* s_s, int warp, int lane) {
+  const int sm_w = warp % T::kSMW, sd_w = warp / T::kSMW;
+  const bf16_t* kb = kt + sd_w * T::kSD;
+  float* sw = s_s + (sd_w * T::kM + sm_w * T::kSM) * T::kSLd;
+#pragma unroll
+  for (int n = 0; n < T::kBN / 16; ++n) {
+    mma::FragC acc[T::kSMT];
+#pragma unroll
+    for (int mt = 0; mt < T::kSMT; ++mt) mma::zero(acc[mt]);
+#pragma unroll
+    for (int ks = 0; ks < T::kSKS; ++ks) {
+      mma::FragB kf;
+      mma::load_b_nk(kf, kb + n * 16 * T::kLd + ks * 16, T::kLd);
+#pragma unroll
+      for (int mt = 0; mt < T::kSMT; ++mt) mma::mma<kF16>(acc[mt], qf[mt][ks], kf);
+    }
+#pragma unroll
+    for (int mt = 0; mt < T::kSMT; ++mt) store_c(acc[mt], sw + mt * 16 * T::kSLd + n * 16, T::kSLd, lane);
+  }
+}
+
+// The running max (log2 domain, scaled) and sum of one row.
+struct RowState {
+  float m, l;
+};
+
+// Stage 2: online softmax of this thread's kSmCols keys of row r: the scores
+// (partials summed, plus the per-head rope scores), P into p_s, the row's
+// rescale factor into row_s. Keys at or past `limit` are masked.
+template <typename T, bool kF16>
+MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2, int key0, int limit, RowState& st,
+                        bf16_t* p_s, float* row_s, int tid) {
+  using E = Half16<kF16>;
+  const int r = tid / T::kSmLanes, part = tid % T::kSmLanes, c0 = part * T::kSmCols;
+  float v[T::kSmCols];
+#pragma unroll
+  for (int c = 0; c < T::kSmCols; ++c) v[c] = T::kHeadRope ? rs_tile[r * T::kRsLd + c0 + c] : 0.f;
+#pragma unroll
+  for (int sd = 0; sd < T::kSDW; ++sd) {
+    const float* src = s_s + (sd * T::kM + r) * T::kSLd + c0;
+    if constexpr (T::kSmCols % 4 == 0) {
+#pragma unroll
+      for (int c = 0; c < T::kSmCols; c += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(src + c);
+        v[c] += x.x;
+        v[c + 1] += x.y;
+        v[c + 2] += x.z;
+        v[c + 3] += x.w;
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < T::kSmCols; ++c) v[c] += src[c];
+    }
+  }
+  float mx = neg_inf();
+#pragma unroll
+  for (int c = 0; c < T::kSmCols; ++c) {
+    v[c] = key0 + c0 + c < limit ? v[c] * scale_log2 : neg_inf();
+    mx = fmaxf(mx, v[c]);
+  }
+#pragma unroll
+  for (int off = 1; off < T::kSmLanes; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
+  const float m_new = fmaxf(st.m, mx);
+  const float m_use = m_new == neg_inf() ? 0.f : m_new;
+  const float alpha = fast_exp2(st.m - m_use);
+  uint32_t w[T::kSmCols / 2];
+  float sum = 0.f;
+#pragma unroll
+  for (int c = 0; c < T::kSmCols; c += 2) {
+    w[c / 2] = E::pack2(fast_exp2(v[c] - m_use), fast_exp2(v[c + 1] - m_use));
+    sum += E::lo(w[c / 2]) + E::hi(w[c / 2]);  // the sum of what P V multiplies
+  }
+  uint32_t* dst = reinterpret_cast<uint32_t*>(p_s + r * T::kPLd + c0);
+  if constexpr (T::kSmCols % 8 == 0) {
+#pragma unroll
+    for (int c = 0; c < T::kSmCols / 2; c += 4)
+      *reinterpret_cast<uint4*>(dst + c) = make_uint4(w[c], w[c + 1], w[c + 2], w[c + 3]);
+  } else {
+#pragma unroll
+    for (int c = 0; c < T::kSmCols / 2; ++c) dst[c] = w[c];
+  }
+#pragma unroll
+  for (int off = 1; off < T::kSmLanes; off <<= 1) sum += shfl_xor(sum, off);
+  st.l = st.l * alpha + sum;
+  st.m = m_new;
+  if (part == 0) row_s[r] = alpha;
+}
+
+// Stage 3: O = alpha O + P V over this warp's rows and columns.
+template <typename T, bool kF16>
+MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const float* row_s, const bf16_t* kt,
+                   int warp, int lane) {
+  const int pm_w = warp % T::kPMW, pn_w = warp / T::kPMW;
+#pragma unroll
+  for (int mt = 0; mt < T::kPMT; ++mt)
+#pragma unroll
+    for (int i = 0; i < mma::kCElems; ++i) {
+      const float a = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
+#pragma unroll
+      for (int n = 0; n < T::kPNT; ++n) o[mt][n].v[i] *= a;
+    }
+  const bf16_t* vb = kt + pn_w * T::kPN;
+  const bf16_t* pb = p_s + pm_w * T::kPM * T::kPLd;
+#pragma unroll
+  for (int kk = 0; kk < T::kBN / 16; ++kk) {
+    mma::FragA pa[T::kPMT];
+#pragma unroll
+    for (int mt = 0; mt < T::kPMT; ++mt) mma::load_a(pa[mt], pb + mt * 16 * T::kPLd + kk * 16, T::kPLd);
+#pragma unroll
+    for (int n = 0; n < T::kPNT; ++n) {
+      mma::FragB vf;
+      mma::load_b_kn(vf, vb + kk * 16 * T::kLd + n * 16, T::kLd);
+#pragma unroll
+      for (int mt = 0; mt < T::kPMT; ++mt) mma::mma<kF16>(o[mt][n], pa[mt], vf);
+    }
+  }
+}
+
+// Normalise and write this warp's O: the final output (one part) or the
+// fp32 partial of a split sequence. row_s holds 1 / sum per row.
+template <typename T, bool kF16>
+MLA_DEVICE void write_out(const AttnParams& p, const Part& pt, const mma::FragC (&o)[T::kPMT][T::kPNT],
+                          const float* row_s, int warp, int lane) {
+  using E = Half16<kF16>;
+  const int pm_w = warp % T::kPMW, pn_w = warp / T::kPMW;
+  const int col0 = pn_w * T::kPN;
+  const int64_t prow = static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
+#pragma unroll
+  for (int mt = 0; mt < T::kPMT; ++mt)
+#pragma unroll
+    for (int i = 0; i < mma::kCElems; i += (mma::kCPairedCols ? 2 : 1)) {
+      const int rl = pm_w * T::kPM + mt * 16 + mma::c_row(lane, i);
+      const int r = block_x() * T::kM + rl;
+      if (r >= p.rows) continue;
+      const float sc = row_s[rl];
+      if (pt.nsplit == 1) {
+        bf16_t* orow = p.o + (static_cast<int64_t>(pt.b) * p.rows + r) * T::kDv + col0;
+#pragma unroll
+        for (int n = 0; n < T::kPNT; ++n) {
+          const int c = n * 16 + mma::c_col(lane, i);
+          if constexpr (mma::kCPairedCols)
+            *reinterpret_cast<uint32_t*>(orow + c) = E::pack2(o[mt][n].v[i] * sc, o[mt][n].v[i + 1] * sc);
+          else
+            orow[c] = E::from_float(o[mt][n].v[i] * sc);
+        }
+      } else {
+        float* orow = p.o_part + (prow + r) * T::kDv + col0;
+#pragma unroll
+        for (int n = 0; n < T::kPNT; ++n) {
+          const int c = n * 16 + mma::c_col(lane, i);
+          if constexpr (mma::kCPairedCols)
+            *reinterpret_cast<float2*>(orow + c) = make_float2(o[mt][n].v[i] * sc, o[mt][n].v[i + 1] * sc);
+          else
+            orow[c] = o[mt][n].v[i] * sc;
+        }
+      }
+    }
+}
+
 // kF16: q, kv and o hold fp16 (else bf16).
 template <typename T, bool kF16>
-__global__ void __launch_bounds__(T::kThreads, 1) attention_kernel(const AttnParams p) {
-  using E = Half16<kF16>;
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(const AttnParams p) {
   extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
-  bf16_t* kv_s = reinterpret_cast<bf16_t*>(smem);
-  float* s_s = reinterpret_cast<float*>(smem + T::kKvBytes);
-  bf16_t* p_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes);
-  float* row_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes);
-  bf16_t* cs_s = reinterpret_cast<bf16_t*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes);
-  float* rs_s = reinterpret_cast<float*>(smem + T::kKvBytes + T::kSBytes + T::kPBytes + T::kRowBytes + T::kCsBytes);
+  const Smem<T> sm(smem);
 
   Part pt;
   if (!read_part(p, block_y(), pt, T::kBN)) return;
-  const int b = pt.b, tile_begin = pt.tile_begin, tile_end = pt.tile_end, split = pt.split;
-  const int nsplit = pt.nsplit, first_part = pt.first_part, L = pt.L;
-
   const int tid = thread_x();
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
-  const int wm = warp % T::kWM, wn = warp / T::kWM;
-  const int row0 = block_x() * T::kM + wm * 16;  // first query row of this warp
+  const int ntiles = pt.tile_end - pt.tile_begin;
 
-  // ---- keys: issue the first tiles before anything else
-  const int ntiles = tile_end - tile_begin;
-  auto load_tile = [&](int j) {
-    bf16_t* dst = kv_s + (j % T::kStages) * T::kBN * T::kLd;
-    const int tile = tile_begin + j;
-    for (int c = tid; c < T::kBN * T::kChunksPadded; c += T::kThreads) {
-      const int r = c / T::kChunksPadded, ch = c % T::kChunksPadded;
-      const int t = tile * T::kBN + r;
-      const bool valid = t < L && ch < T::kChunksPerRow;  // (padding columns: zeros)
-      constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
-      const bf16_t* src = !valid                                 ? p.kv
-                          : (p.kpe != nullptr && ch >= kRopeChunk) ? p.kpe + b * p.kpe_batch_stride +
-                                                                       static_cast<int64_t>(t) * p.kpe_row_stride +
-                                                                       (ch - kRopeChunk) * 8
-                                                                 : kv_row<T>(p, b, t) + ch * 8;
-      copy16_async(dst + r * T::kLd + ch * 8, src, valid);
-    }
-    if constexpr (T::kHeadRope) {  // the rope scores of this block's rows for these keys (4 per chunk)
-      constexpr int kRsChunks = T::kBN / 4;
-      float* rdst = rs_s + (j % T::kStages) * T::kM * T::kRsLd;
-      for (int c = tid; c < T::kM * kRsChunks; c += T::kThreads) {
-        const int r = c / kRsChunks, t = tile * T::kBN + 4 * (c % kRsChunks), row = block_x() * T::kM + r;
-        const bool valid = row < p.rows && t < L;  // (t + 1..3 >= L lie inside the workspace; masked later)
-        copy16_async(rdst + r * T::kRsLd + 4 * (c % kRsChunks), valid ? p.rope_scores + (static_cast<int64_t>(b) * p.rows + row) * p.rs_stride + t
-                                         : p.rope_scores, valid);
-      }
-    } else if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
-      constexpr int kCsChunks = T::kRope / 8;
-      bf16_t* cdst = cs_s + (j % T::kStages) * T::kBN * T::kRope;
-      for (int c = tid; c < T::kBN * kCsChunks; c += T::kThreads) {
-        const int r = c / kCsChunks, t = tile * T::kBN + r;
-        const bool valid = t < L;
-        copy16_async(cdst + c * 8, valid ? p.rope_cs + static_cast<int64_t>(t) * T::kRope + (c % kCsChunks) * 8 : p.rope_cs,
-                     valid);
-      }
-    }
-  };
+  // keys first: the first tiles are in flight while Q is read
 #pragma unroll
   for (int j = 0; j < T::kStages - 1; ++j) {
-    if (j < ntiles) load_tile(j);
+    if (j < ntiles) load_tile<T>(p, pt, j, sm, tid);
     copy_commit();
   }
-
-  // ---- this warp's Q slice, straight into registers
-  mma::FragA qf[T::kKSteps];
-  {
-    const bf16_t* qp = p.q + b * p.q_batch_stride + row0 * p.q_row_stride + wn * T::kKSteps * 16;
-    const int rows_valid = p.rows - row0;
+  mma::FragA qf[T::kSMT][T::kSKS];
+  load_q<T>(p, pt.b, warp, qf);
+  mma::FragC o[T::kPMT][T::kPNT];
 #pragma unroll
-    for (int ks = 0; ks < T::kKSteps; ++ks)
-      mma::load_a_global(qf[ks], qp + ks * 16, p.q_row_stride, rows_valid, T::kD - (wn * T::kKSteps + ks) * 16);
-  }
-
-  mma::FragC o[T::kNTiles];
+  for (int mt = 0; mt < T::kPMT; ++mt)
 #pragma unroll
-  for (int n = 0; n < T::kNTiles; ++n) mma::zero(o[n]);
+    for (int n = 0; n < T::kPNT; ++n) mma::zero(o[mt][n]);
 
-  // softmax state: lane holds row srow, columns [spart * kColsPerLane, ...)
-  const int srow = lane / T::kLanesPerRow, spart = lane % T::kLanesPerRow;
-  int limit = L;  // causal: query i of s_q sees positions < L - (s_q - 1 - i)
-  if (p.causal) limit = L - (p.s_q - 1 - (row0 + srow) / p.h_q);
-  float m_run = neg_inf(), l_run = 0.f;
-
-  bf16_t* p_w = p_s + warp * 16 * T::kPLd;
-  float* row_w = row_s + warp * 16;
+  // the softmax row of this thread; causal: query i of s_q sees positions < L - (s_q - 1 - i)
+  const int srow = tid / T::kSmLanes;
+  const int limit = p.causal ? pt.L - (p.s_q - 1 - (block_x() * T::kM + srow) / p.h_q) : pt.L;
+  RowState st{neg_inf(), 0.f};
 
   for (int j = 0; j < ntiles; ++j) {
     copy_wait<T::kStages - 2>();
-    sync_threads();  // tile j landed for everyone; tile j-1's buffer is free
-    if (j + T::kStages - 1 < ntiles) load_tile(j + T::kStages - 1);
+    sync_threads();  // tile j landed for everyone; the slot of tile j-1 is free
+    if (j + T::kStages - 1 < ntiles) load_tile<T>(p, pt, j + T::kStages - 1, sm, tid);
     copy_commit();
 
-    bf16_t* kt = kv_s + (j % T::kStages) * T::kBN * T::kLd;
-    const int key0 = (tile_begin + j) * T::kBN;
-    if constexpr (!T::kHeadRope) if (!kF16 && p.rope_cs != nullptr) {  // (bf16 only; the host refuses it with fp16)
-      // rot(x, t) = x cos + cat(-x2, x1) sin, every product and sum rounded to bf16
-      constexpr int kHalf = T::kRope / 2;
-      for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
-        const int r = e / kHalf, jj = e % kHalf, t = key0 + r;
-        if (t < L) {
-          bf16_t* x = kt + r * T::kLd + (T::kD - T::kRope);
-          const bf16_t* cs = cs_s + ((j % T::kStages) * T::kBN + r) * T::kRope;
-          const float c = bf16_to_float(cs[jj]);
-          const float s = bf16_to_float(cs[kHalf + jj]);
-          const float x1 = bf16_to_float(x[jj]), x2 = bf16_to_float(x[kHalf + jj]);
-          x[jj] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
-          x[kHalf + jj] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
-        }
+    const int slot = j % T::kStages, key0 = (pt.tile_begin + j) * T::kBN;
+    bf16_t* kt = sm.kv + slot * T::kBN * T::kLd;
+    if constexpr (!T::kHeadRope && !kF16) {  // (bf16 only; the host refuses it with fp16)
+      if (p.rope_cs != nullptr) {
+        rope_tile<T>(kt, sm.cs + slot * T::kBN * T::kRope, key0, pt.L, tid);
+        sync_threads();
       }
-      sync_threads();
     }
-
-    // ---- partial scores over this warp's k-range
-    {
-      mma::FragC sacc[T::kSTiles];
-#pragma unroll
-      for (int n = 0; n < T::kSTiles; ++n) mma::zero(sacc[n]);
-      const bf16_t* kb = kt + wn * T::kKSteps * 16;
-#pragma unroll
-      for (int ks = 0; ks < T::kKSteps; ++ks) {
-#pragma unroll
-        for (int n = 0; n < T::kSTiles; ++n) {
-          mma::FragB bfr;
-          mma::load_b_nk(bfr, kb + n * 16 * T::kLd + ks * 16, T::kLd);
-          mma::mma<kF16>(sacc[n], qf[ks], bfr);
-        }
-      }
-      float* sw = s_s + (wn * T::kM + wm * 16) * T::kSLd;
-#pragma unroll
-      for (int n = 0; n < T::kSTiles; ++n)
-#pragma unroll
-        for (int i = 0; i < mma::kCElems; ++i)
-          sw[mma::c_row(lane, i) * T::kSLd + n * 16 + mma::c_col(lane, i)] = sacc[n].v[i];
-    }
+    scores<T, kF16>(qf, kt, sm.s, warp, lane);
     sync_threads();
-
-    // ---- online softmax for the warp's 16 rows (redundant across wn)
-    {
-      float sv[T::kColsPerLane];
-      float mx = neg_inf();
-      const int c0 = spart * T::kColsPerLane;
-      const float* rs_row = rs_s + ((j % T::kStages) * T::kM + wm * 16 + srow) * T::kRsLd + c0;
-#pragma unroll
-      for (int c = 0; c < T::kColsPerLane; ++c) {
-        float v = T::kHeadRope ? rs_row[c] : 0.f;
-#pragma unroll
-        for (int w = 0; w < T::kWN; ++w) v += s_s[(w * T::kM + wm * 16 + srow) * T::kSLd + c0 + c];
-        v *= p.scale_log2;
-        if (key0 + c0 + c >= limit) v = neg_inf();
-        sv[c] = v;
-        mx = fmaxf(mx, v);
-      }
-#pragma unroll
-      for (int off = 1; off < T::kLanesPerRow; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
-      const float m_new = fmaxf(m_run, mx);
-      const float m_use = m_new == neg_inf() ? 0.f : m_new;
-      const float alpha = fast_exp2(m_run - m_use);
-      float sum = 0.f;
-      uint32_t* pw = reinterpret_cast<uint32_t*>(p_w + srow * T::kPLd + c0);
-#pragma unroll
-      for (int c = 0; c < T::kColsPerLane; c += 2) {
-        const uint32_t w2 = E::pack2(fast_exp2(sv[c] - m_use), fast_exp2(sv[c + 1] - m_use));
-        sum += E::lo(w2) + E::hi(w2);  // the sum of what P V multiplies
-        pw[c / 2] = w2;
-      }
-#pragma unroll
-      for (int off = 1; off < T::kLanesPerRow; off <<= 1) sum += shfl_xor(sum, off);
-      l_run = l_run * alpha + sum;
-      m_run = m_new;
-      if (spart == 0) row_w[srow] = alpha;
-      sync_warp();
-    }
-
-    // ---- O = alpha O + P V over this warp's columns
-#pragma unroll
-    for (int i = 0; i < mma::kCElems; ++i) {
-      const float a = row_w[mma::c_row(lane, i)];
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n) o[n].v[i] *= a;
-    }
-    const bf16_t* vb = kt + wn * T::kNTiles * 16;
-#pragma unroll
-    for (int kk = 0; kk < T::kBN / 16; ++kk) {
-      mma::FragA pa;
-      mma::load_a(pa, p_w + kk * 16, T::kPLd);
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n) {
-        mma::FragB vf;
-        mma::load_b_kn(vf, vb + kk * 16 * T::kLd + n * 16, T::kLd);
-        mma::mma<kF16>(o[n], pa, vf);
-      }
-    }
-    sync_warp();  // P and alpha of this warp are overwritten next tile
+    softmax<T, kF16>(sm.s, sm.rs + slot * T::kM * T::kRsLd, p.scale_log2, key0, limit, st, sm.p, sm.row, tid);
+    sync_threads();
+    pv<T, kF16>(o, sm.p, sm.row, kt, warp, lane);
   }
   copy_wait<0>();
+  sync_threads();  // (the last P V read the rescale factors)
 
-  // ---- normalise and write: bf16 output directly, or an fp32 partial + LSE
-  sync_warp();
-  constexpr float kLn2 = 0.69314718055994531f;
-  const float inv_l = l_run > 0.f ? 1.f / l_run : 0.f;
-  const float lse = l_run > 0.f ? (m_run + fast_log2(l_run)) * kLn2 : neg_inf();
-  if (spart == 0) row_w[srow] = inv_l;
-  sync_warp();
-  const int col0 = wn * T::kNTiles * 16;
-  if (nsplit == 1) {
-    if (wn == 0 && spart == 0 && row0 + srow < p.rows) {
-      const int r = row0 + srow, i = r / p.h_q, h = r % p.h_q;
-      p.lse[(static_cast<int64_t>(b) * p.h_q + h) * p.s_q + i] = lse;
-    }
-#pragma unroll
-    for (int i = 0; i < mma::kCElems; i += (mma::kCPairedCols ? 2 : 1)) {
-      const int r = row0 + mma::c_row(lane, i);
-      if (r >= p.rows) continue;
-      const float sc = row_w[mma::c_row(lane, i)];
-      bf16_t* orow = p.o + (static_cast<int64_t>(b) * p.rows + r) * T::kDv + col0;
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n) {
-        const int c = n * 16 + mma::c_col(lane, i);
-        if constexpr (mma::kCPairedCols) {
-          *reinterpret_cast<uint32_t*>(orow + c) = E::pack2(o[n].v[i] * sc, o[n].v[i + 1] * sc);
-        } else {
-          orow[c] = E::from_float(o[n].v[i] * sc);
-        }
-      }
-    }
-  } else {
-    const int64_t prow = static_cast<int64_t>(first_part + split) * p.rows;
-    if (wn == 0 && spart == 0 && row0 + srow < p.rows) p.lse_part[prow + row0 + srow] = lse;
-#pragma unroll
-    for (int i = 0; i < mma::kCElems; ++i) {
-      const int r = row0 + mma::c_row(lane, i);
-      if (r >= p.rows) continue;
-      const float sc = row_w[mma::c_row(lane, i)];
-      float* orow = p.o_part + (prow + r) * T::kDv + col0;
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n) orow[n * 16 + mma::c_col(lane, i)] = o[n].v[i] * sc;
+  // per row: 1 / sum for the writers, the LSE to memory
+  if (tid % T::kSmLanes == 0) {
+    constexpr float kLn2 = 0.69314718055994531f;
+    const float lse = st.l > 0.f ? (st.m + fast_log2(st.l)) * kLn2 : neg_inf();
+    sm.row[srow] = st.l > 0.f ? 1.f / st.l : 0.f;
+    const int r = block_x() * T::kM + srow;
+    if (r < p.rows) {
+      if (pt.nsplit == 1)
+        p.lse[(static_cast<int64_t>(pt.b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] = lse;
+      else
+        p.lse_part[static_cast<int64_t>(pt.first_part + pt.split) * p.rows + r] = lse;
     }
   }
+  sync_threads();
+  write_out<T, kF16>(p, pt, o, sm.row, warp, lane);
 }
 
 }  // namespace
@@ -360,6 +515,8 @@ bool attn_shape_supported(int dv, int rope) {
   }
 }
 
+namespace {
+
 template <typename T>
 const char* kernel_info(AttnKernelInfo* info) {
   if (const char* e = set_max_dynamic_smem(attention_kernel<T, false>, T::kSmem)) return e;
@@ -373,18 +530,6 @@ const char* kernel_info(AttnKernelInfo* info) {
                                  max_active_blocks(attention_kernel<T, true>, T::kThreads, T::kSmem));
   if (info->blocks_per_sm <= 0) return "attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
-}
-
-const char* attn_kernel_info_portable(int dv, int rope, AttnKernelInfo* info) {
-  switch (dv * 1000 + rope) {
-#define MLA_CASE(DV, R) \
-  case DV * 1000 + R:   \
-    return kernel_info<TileFor<DV + R, DV>>(info);
-    MLA_ATTN_SHAPES(MLA_CASE)
-#undef MLA_CASE
-    default:
-      return kAttnShapesSupported;
-  }
 }
 
 template <typename T>
@@ -401,11 +546,45 @@ const char* launch_tile(const AttnParams& p, stream_t stream) {
   return last_launch_error();
 }
 
-const char* launch_attention_portable(const AttnParams& p, stream_t stream) {
+template <int kD, int kDv>
+const char* info_rows(int rows_per_block, AttnKernelInfo* info) {
+  switch (rows_per_block) {
+    case 16: return kernel_info<TileFor<kD, kDv, 16>>(info);
+    case 32: return kernel_info<TileFor<kD, kDv, 32>>(info);
+    case 64: return kernel_info<TileFor<kD, kDv, 64>>(info);
+    default: return "attention: the portable kernel's head block is 16, 32 or 64 rows";
+  }
+}
+
+template <int kD, int kDv>
+const char* launch_rows(const AttnParams& p, int rows_per_block, stream_t stream) {
+  switch (rows_per_block) {
+    case 16: return launch_tile<TileFor<kD, kDv, 16>>(p, stream);
+    case 32: return launch_tile<TileFor<kD, kDv, 32>>(p, stream);
+    case 64: return launch_tile<TileFor<kD, kDv, 64>>(p, stream);
+    default: return "launch_attention: the portable kernel's head block is 16, 32 or 64 rows";
+  }
+}
+
+}  // namespace
+
+const char* attn_kernel_info_portable(int dv, int rope, int rows_per_block, AttnKernelInfo* info) {
+  switch (dv * 1000 + rope) {
+#define MLA_CASE(DV, R) \
+  case DV * 1000 + R:   \
+    return info_rows<DV + R, DV>(rows_per_block, info);
+    MLA_ATTN_SHAPES(MLA_CASE)
+#undef MLA_CASE
+    default:
+      return kAttnShapesSupported;
+  }
+}
+
+const char* launch_attention_portable(const AttnParams& p, int rows_per_block, stream_t stream) {
   switch (p.dv * 1000 + p.rope) {
 #define MLA_CASE(DV, R) \
   case DV * 1000 + R:   \
-    return launch_tile<TileFor<DV + R, DV>>(p, stream);
+    return launch_rows<DV + R, DV>(p, rows_per_block, stream);
     MLA_ATTN_SHAPES(MLA_CASE)
 #undef MLA_CASE
     default:

@@ -19,14 +19,17 @@ struct AttnKernelInfo {
 };
 
 // The portable kernel (attention.cu; tile-MMA interface, the one AMD builds
-// use), one instance per supported shape: value width dv in {64, 128, 256,
-// 512} and rope width in {8, 16, 32, 64} inside the key (D = dv + rope), or
-// rope 0: per-head rope keys, scores from launch_rope_scores. DeepSeek-V3:
-// 512, 64. An unsupported shape returns kAttnShapesSupported in the message.
+// use), one instance per supported shape and head block: value width dv in
+// {64, 128, 256, 512} and rope width in {8, 16, 32, 64} inside the key
+// (D = dv + rope), or rope 0: per-head rope keys, scores from
+// launch_rope_scores (DeepSeek-V3: 512, 64); rows_per_block 16, 32 or 64
+// query rows per block (the host picks it from s_q * h_q:
+// portable_rows_per_block). An unsupported shape returns
+// kAttnShapesSupported in the message.
 extern const char* const kAttnShapesSupported;
 bool attn_shape_supported(int dv, int rope);
-const char* attn_kernel_info_portable(int dv, int rope, AttnKernelInfo* info);
-const char* launch_attention_portable(const AttnParams& p, stream_t stream);
+const char* attn_kernel_info_portable(int dv, int rope, int rows_per_block, AttnKernelInfo* info);
+const char* launch_attention_portable(const AttnParams& p, int rows_per_block, stream_t stream);
 
 // Launched around either attention kernel: the split planner before it
 // (plan.cu), the rope scores of per-head rope keys before it
