@@ -34,24 +34,36 @@ FlashMLA| over the outputs of set 0 (ours planned in the call and with the
 plan made once), flagged MISMATCH above 5e-2 or when either has a NaN; without FlashMLA, and on yes/kpe rows, only NaN in ours
 is flagged. A benchmark asserts nothing: a flagged row is timed and printed.
 
-Timing (benchmarks/common.py time_events): device events around --batch
-calls back to back (the launch queue kept full: the device time per call,
-host launch overhead not counted; --batch 1 counts it), median of --iters
-such pairs after a warm-up. Per row and key mode: ours with each call
-planning its own split (`us`: one planner launch ahead of the attention,
-mla_attention's default), ours with the plan made once and passed as plan=
-(`us plan1`, FlashMLA's usage model: its benchmark reuses one
-get_mla_metadata output), then, on "no" rows, FlashMLA (`FlashMLA us`),
-interleaved row by row in one process so clocks and heat match.
+Timing, both sides with the same inputs, row by row so clocks and heat
+match:
+- graphs (rope "no" rows; --no-graphs skips them): device time per call
+  of GRAPH_CALLS calls captured in one CUDA graph, rotating over the sets,
+  median of --graph-reps replays between two events (common.time_graph_calls:
+  how engines run the attention). Ours with the plan made once, FlashMLA
+  with its metadata made once, both reading the cache as 64-row pages in
+  order and scattered (the same pages in a random order, as a serving
+  engine's free list leaves them). Checked first on set 0: ours scattered
+  against ours in order (the same bits, else SCATTER-DIFFERS) and each
+  layout against FlashMLA.
+- eager (common.time_events): device events around --batch calls back to
+  back (the launch queue kept full: the device time per call, host launch
+  overhead not counted; --batch 1 counts it), median of --iters such pairs:
+  ours with each call planning its split (`us`: one planner launch ahead of
+  the attention, mla_attention's default), ours with the plan made once and
+  passed as plan= (`us plan1`), then, on "no" rows, FlashMLA (`FlashMLA`).
+An eager loop flatters whoever has the cheaper Python wrapper (FlashMLA's
+costs 40-80 us of host time per call): compare kernels by the graph columns.
 
-Columns: h_q, L, rope, us, us plan1, TFLOP/s, GB/s, floor us and % of
-floor (of `us`; floor = max(bytes/BW, FLOPs/peak) with mla_decode.roofline's
-peaks for the device), FlashMLA us, xFM = FlashMLA us / our us (per call
-planning) and xFM plan1 = FlashMLA us / our plan1 us (> 1: ours faster),
-max|d| (ours - FlashMLA) and the flag. Last line: the geometric means of
-xFM and xFM plan1 over the "no" rows, also per h_q. --json FILE writes the
-same fields per row. Without a GPU it prints why and exits 1; without
-flash_mla it says so in one line and the FlashMLA columns read "-"."""
+Columns: h_q, L, rope | g us, FM g, xFM g (graphs, pages in order), g us sc,
+FM g sc, xFM sc (scattered), TFLOP/s, TB/s and % of floor of g us (floor =
+max(bytes/BW, FLOPs/peak) with mla_decode.roofline's peaks for the device)
+| us, us plan1, FlashMLA, xFM, xFM plan1 (eager), max|d| (ours - FlashMLA)
+and the flag. xFM = FlashMLA us / ours (> 1: ours faster). Last line: the
+geometric means of the four ratios over the "no" rows, also per h_q.
+--kernel portable|hopper forces our kernel (MLA_DECODE_ATTN_KERNEL; the
+portable kernel is the one AMD builds run). --json FILE writes the same
+fields per row. Without a GPU it prints why and exits 1; without flash_mla
+it says so in one line and the FlashMLA columns read "-"."""
 
 import argparse
 import gc
@@ -63,7 +75,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
-from mla_decode import roofline  # noqa: E402
+from mla_decode import _ext, roofline  # noqa: E402
 import common  # noqa: E402
 from common import add_timing_args, dump_json, geomean, gpu_setup, rates  # noqa: E402
 
@@ -76,6 +88,7 @@ DEFAULT_ROWS = [(128, L) for L in H128_LENGTHS] + [(h, L) for h in (16, 32, 64) 
 L2_BYTES = 200e6  # the sets of a row together exceed this (L2 is 50-60 MB) ...
 SETS_BYTES = 4e9  # ... and stay under this (never fewer than 2 sets)
 MISMATCH = 5e-2  # max |ours - FlashMLA| above which a row is flagged
+GRAPH_CALLS = 10  # calls captured per CUDA graph (rotating over the sets)
 
 
 def pad(L):
@@ -128,6 +141,16 @@ def pages_of(kv):
     pages = kv.view(bs * Lp // PAGE, PAGE, 1, d)
     table = torch.arange(bs * Lp // PAGE, dtype=torch.int32, device=kv.device).view(bs, Lp // PAGE)
     return pages, table
+
+
+def scattered(pages, table, gen):
+    """The same pages stored in a random order (as a serving engine's free
+    list leaves them) and the block table that finds them: logical page i
+    lives at physical page perm[i]."""
+    perm = torch.randperm(pages.shape[0], generator=gen).to(pages.device)
+    spread = torch.empty_like(pages)
+    spread[perm] = pages
+    return spread, perm.to(torch.int32)[table.long()]
 
 
 def check_row(ours, theirs):
@@ -216,35 +239,98 @@ def measure_row(h_q, L, ropes, args, peaks, fm, device="cuda", time_events=None)
         if paged and rope == "no" and "flashmla_error" not in row:
             fus = time_events(flash, iters=args.iters, batch=args.batch) * 1e3
             row.update(us_flashmla=fus, vs_flashmla=fus / us, vs_flashmla_plan_once=fus / us1)
+        if args.graphs and rope == "no":
+            row.update(measure_graphs(sets, seqlens, plan, h_q, out, lse, fm if paged else None, meta, args, fl, by,
+                                      peaks))
+            row["flag"] = " ".join(f for f in (row["flag"], row.pop("graph_flag", "")) if f)
         rows.append(row)
     return rows  # the sets are freed with this frame (main then empties the allocator's cache)
+
+
+def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nbytes, peaks):
+    """Device time per call in CUDA graphs (GRAPH_CALLS calls per graph on
+    the rotated sets, median of --graph-reps replays), ours with the plan
+    made once and FlashMLA with its metadata made once, both reading the
+    cache as 64-row pages in order and scattered. Checked first on set 0:
+    ours scattered against ours in order (the same bits), and each layout
+    against FlashMLA's."""
+    gen = torch.Generator().manual_seed(1234)
+    layouts = {"order": [pages_of(kv) for _, kv, _ in sets]}
+    layouts["scatter"] = [scattered(p, t, gen) for p, t in layouts["order"]]
+    res, flags = {}, set()
+
+    def ours(lay, j):
+        pages, table = layouts[lay][j]
+        mla_decode.mla_attention(sets[j][0], pages, seqlens, SCALE, block_table=table, out=out, lse=lse, plan=plan)
+
+    def flash(lay, j):
+        pages, table = layouts[lay][j]
+        return fm.flash_mla_with_kvcache(sets[j][0], pages, table, seqlens, DV, meta[0], meta[1],
+                                         softmax_scale=SCALE, causal=False)[0]
+
+    first = {}
+    for lay in layouts:
+        ours(lay, 0)
+        first[lay] = out.clone()
+        if fm is not None:
+            d, f = check_row(first[lay], flash(lay, 0))
+            flags.add(f)
+            res[f"max_diff_flashmla_{lay}"] = d
+    if not torch.equal(first["order"], first["scatter"]):
+        flags.add("SCATTER-DIFFERS")
+    n = len(sets)
+    for lay in layouts:
+        us = common.time_graph_calls([lambda j=j: ours(lay, j % n) for j in range(GRAPH_CALLS)],
+                                     reps=args.graph_reps) * 1e3
+        res[f"g_us_{lay}"] = us
+        if fm is not None:
+            fus = common.time_graph_calls([lambda j=j: flash(lay, j % n) for j in range(GRAPH_CALLS)],
+                                          reps=args.graph_reps) * 1e3
+            res[f"g_flashmla_{lay}"] = fus
+            res[f"g_vs_flashmla_{lay}"] = fus / us
+    r = rates(res["g_us_order"], flops, nbytes, peaks)
+    res.update(g_tflops=r["tflops"], g_gbs=r["gbs"], g_pct_floor=r.get("pct_floor"))
+    res["graph_flag"] = " ".join(sorted(f for f in flags if f))
+    return res
 
 
 def cell(v, w, spec):
     return f"{'-':>{w}}" if v is None else f"{v:>{w}{spec}}"
 
 
-HEADER = (f"{'h_q':>4} {'L':>6} {'rope':>4} {'us':>8} {'us plan1':>8} {'TFLOP/s':>7} {'GB/s':>6} {'floor us':>8} "
-          f"{'%floor':>6} {'FlashMLA':>8} {'xFM':>5} {'xFM plan1':>9} {'max|d|':>8}  flag")
+HEADER = (f"{'h_q':>4} {'L':>6} {'rope':>4} | {'g us':>7} {'FM g':>7} {'xFM g':>5} {'g us sc':>7} {'FM g sc':>7} "
+          f"{'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} {'us plan1':>8} {'FlashMLA':>8} "
+          f"{'xFM':>5} {'xFM plan1':>9} {'max|d|':>8}  flag")
 
 
 def format_row(r):
     g = r.get
-    return (f"{r['h_q']:>4} {r['L']:>6} {r['rope']:>4} {cell(g('us'), 8, '.1f')} {cell(g('us_plan_once'), 8, '.1f')} "
-            f"{cell(g('tflops'), 7, '.1f')} {cell(g('gbs'), 6, '.0f')} {cell(g('floor_us'), 8, '.1f')} "
-            f"{cell(g('pct_floor'), 6, '.1f')} {cell(g('us_flashmla'), 8, '.1f')} {cell(g('vs_flashmla'), 5, '.2f')} "
-            f"{cell(g('vs_flashmla_plan_once'), 9, '.2f')} {cell(g('max_diff_flashmla'), 8, '.1e')}  {g('flag', '')}")
+    return (f"{r['h_q']:>4} {r['L']:>6} {r['rope']:>4} | {cell(g('g_us_order'), 7, '.1f')} "
+            f"{cell(g('g_flashmla_order'), 7, '.1f')} {cell(g('g_vs_flashmla_order'), 5, '.2f')} "
+            f"{cell(g('g_us_scatter'), 7, '.1f')} {cell(g('g_flashmla_scatter'), 7, '.1f')} "
+            f"{cell(g('g_vs_flashmla_scatter'), 6, '.2f')} {cell(g('g_tflops'), 7, '.1f')} "
+            f"{cell(g('g_gbs') / 1e3 if g('g_gbs') else None, 5, '.2f')} {cell(g('g_pct_floor'), 6, '.1f')} | "
+            f"{cell(g('us'), 7, '.1f')} {cell(g('us_plan_once'), 8, '.1f')} {cell(g('us_flashmla'), 8, '.1f')} "
+            f"{cell(g('vs_flashmla'), 5, '.2f')} {cell(g('vs_flashmla_plan_once'), 9, '.2f')} "
+            f"{cell(g('max_diff_flashmla'), 8, '.1e')}  {g('flag', '')}")
+
+
+SUMMARY_KEYS = ("g_vs_flashmla_order", "g_vs_flashmla_scatter", "vs_flashmla", "vs_flashmla_plan_once")
 
 
 def summary(rows):
-    """Geometric means of xFM and xFM plan1 over the rope 'no' rows that
-    have them: overall and per h_q (None where no row has them)."""
+    """Geometric means of the FlashMLA ratios (graphs in order, scattered;
+    eager, eager plan1) over the rope 'no' rows that have them: overall and
+    per h_q (None where no row has them)."""
     def gm(rs):
         rs = [r for r in rs if r["rope"] == "no" and "vs_flashmla" in r]
         if not rs:
             return None
-        return dict(n=len(rs), vs_flashmla=geomean([r["vs_flashmla"] for r in rs]),
-                    vs_flashmla_plan_once=geomean([r["vs_flashmla_plan_once"] for r in rs]))
+        out = dict(n=len(rs))
+        for k in SUMMARY_KEYS:
+            vals = [r[k] for r in rs if r.get(k)]
+            out[k] = geomean(vals) if vals else None
+        return out
     heads = sorted({r["h_q"] for r in rows}, reverse=True)
     return dict(all=gm(rows), by_h_q={h: gm([r for r in rows if r["h_q"] == h]) for h in heads})
 
@@ -252,11 +338,13 @@ def summary(rows):
 def summary_line(s):
     if s["all"] is None:
         return "geomean xFM (rope no): - (FlashMLA not measured)"
-    line = (f"geomean over {s['all']['n']} rope-no rows: xFM {s['all']['vs_flashmla']:.3f}, "
-            f"xFM plan1 {s['all']['vs_flashmla_plan_once']:.3f}")
-    parts = [f"h_q {h}: {g['vs_flashmla']:.3f} / {g['vs_flashmla_plan_once']:.3f}"
-             for h, g in s["by_h_q"].items() if g is not None]
-    return line + (" (" + "; ".join(parts) + ")" if len(parts) > 1 else "")
+
+    def four(g):
+        return " / ".join("-" if g.get(k) is None else f"{g[k]:.3f}" for k in SUMMARY_KEYS)
+    line = f"geomean xFM over {s['all']['n']} rope-no rows (graphs in order / scattered / eager / eager plan1): " + four(
+        s["all"])
+    parts = [f"h_q {h}: {four(g)}" for h, g in s["by_h_q"].items() if g is not None]
+    return line + ("\n  " + "; ".join(parts) if len(parts) > 1 else "")
 
 
 def parse_args(argv=None):
@@ -268,6 +356,11 @@ def parse_args(argv=None):
     ap.add_argument("--bs", type=int, default=128)
     ap.add_argument("--no-flashmla", action="store_true", help="do not time FlashMLA even when it imports")
     ap.add_argument("--dry-run", action="store_true", help="print the rows, sets and memory, and exit (no GPU)")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="skip the CUDA-graph columns (rope 'no' rows; pages in order and scattered)")
+    ap.add_argument("--graph-reps", type=int, default=20, help="graph replays per measurement (median)")
+    ap.add_argument("--kernel", choices=("portable", "hopper"),
+                    help="force our attention kernel (sets MLA_DECODE_ATTN_KERNEL before the first call)")
     add_timing_args(ap, iters=50)
     return ap.parse_args(argv)
 
@@ -281,13 +374,17 @@ def main(argv=None):
             print(f"h_q {h:>3} L {L:>6} (Lpad {pad(L)}) rope {','.join(ropes):<10} {n} sets x "
                   f"{set_bytes(args.bs, L, h, ropes) / 1e9:.2f} GB")
         return 0
+    if args.kernel:
+        os.environ["MLA_DECODE_ATTN_KERNEL"] = args.kernel  # (read once, at the first attention call)
     setup = gpu_setup("bench_attention")
     if setup is None:
         return 1
     name, peaks = setup
     fm = None if args.no_flashmla else common.flashmla()
-    print(f"# attention kernel vs FlashMLA | {name} | {mla_decode.backend()} | bs={args.bs} s_q=1 D={D} Dv={DV} "
-          f"| batch {args.batch}, median of {args.iters}")
+    kind = _ext.attention_info(torch.cuda.current_device()).kernel
+    print(f"# attention kernel ({kind}) vs FlashMLA | {name} | {mla_decode.backend()} | bs={args.bs} s_q=1 D={D} "
+          f"Dv={DV} | graphs: {GRAPH_CALLS} calls each, median of {args.graph_reps} replays | eager: batch "
+          f"{args.batch}, median of {args.iters}")
     if fm is None:
         why = "--no-flashmla" if args.no_flashmla else f"flash_mla does not import ({common.FLASHMLA_ERROR})"
         print(f"# FlashMLA not measured: {why}; its columns read '-'")
@@ -301,9 +398,10 @@ def main(argv=None):
         torch.cuda.empty_cache()
     s = summary(rows)
     print(summary_line(s))
-    print("(us: each call plans its split; plan1: the plan made once and passed as plan=, as FlashMLA reuses its "
-          "get_mla_metadata output; xFM = FlashMLA us / ours, > 1: ours faster, rope=no only; rope yes = keys "
-          "rotated on the fly, the decode step's path; TFLOP/s, GB/s, floor of `us`)")
+    print("(left of the bar, rope 'no' rows: device time per call in CUDA graphs, the plan and FlashMLA's metadata "
+          "made once, 64-row pages in order (g us, FM g) and scattered (sc); TFLOP/s, TB/s and %floor of g us. "
+          "Right: eager calls, `batch` back to back: us plans in each call, plan1 passes the plan made once. "
+          "xFM = FlashMLA us / ours, > 1: ours faster; rope yes = keys rotated on the fly, the decode step's path)")
     flagged = [r for r in rows if r.get("flag")]
     if flagged:
         print(f"FLAGGED: {len(flagged)} row(s): " + ", ".join(f"h_q {r['h_q']} L {r['L']} {r['rope']} {r['flag']}"

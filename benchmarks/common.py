@@ -155,6 +155,30 @@ def time_graph(fn, iters=50):
     return time_events(_capture(fn).replay, iters=iters)
 
 
+def time_graph_calls(fns, reps=20):
+    """Median device milliseconds per call of the calls fns (each a
+    zero-argument callable, typically the same kernel on rotated inputs),
+    captured together into one CUDA graph and replayed `reps` times between
+    two events: how engines run attention (no host time inside, launch
+    gaps as in a captured decode step)."""
+    def all_calls():
+        for f in fns:
+            f()
+    g = _capture(all_calls)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / len(fns))
+    del g
+    return statistics.median(times)
+
+
 def time_graph_cold(fn, iters=50, flush_mib=512):
     """Median milliseconds of a CUDA-graph replay of fn() with the L2 cache
     flushed before each replay (a 512 MiB buffer read in between, outside

@@ -202,11 +202,19 @@ def test_attention_plan_made_once_serves_many_calls():
         mla_attention(q, kv, seqlens, 0.07, plan=short)
     with pytest.raises(TypeError, match="plan"):
         mla_attention(q, kv, seqlens, 0.07, plan=plan.float())
-    # per-head rope keys plan 32-row work items: not what the plan op plans for
+    # per-head rope keys: on the Hopper kernel 32-row work items, not what the plan op plans for (refused);
+    # the portable kernel splits them as it splits the rope-in-key shape, so the plan serves them
     kv_lat = kv[:, :8, :DV].contiguous()
-    kh = torch.zeros(len(lens), 8, q.shape[2], D - DV, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match="plan"):
-        mla_attention(q, kv_lat, seqlens.clamp(max=8), 0.07, kpe_heads=kh, plan=plan)
+    kh = torch.randn(len(lens), 8, q.shape[2], D - DV, device="cuda").to(torch.bfloat16)
+    a, b = (mla_decode._ext.attention_info(q.device.index, DV, r) for r in (D - DV, 0))
+    if (a.kernel, a.rows_per_block, a.keys_per_tile, a.blocks_per_sm) != (b.kernel, b.rows_per_block,
+                                                                          b.keys_per_tile, b.blocks_per_sm):
+        with pytest.raises(ValueError, match="plan"):
+            mla_attention(q, kv_lat, seqlens.clamp(max=8), 0.07, kpe_heads=kh, plan=plan)
+    else:
+        out, lse = mla_attention(q, kv_lat, seqlens.clamp(max=8), 0.07, kpe_heads=kh, plan=plan)
+        ro, rl = attention_reference(q, kv_lat, seqlens.clamp(max=8), 0.07, kpe_heads=kh)
+        check(out, lse, ro, rl, "per-head rope keys with the plan op's plan")
 
 
 def test_attention_returns_new_tensors():
