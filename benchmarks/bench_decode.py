@@ -188,7 +188,7 @@ def run_shape(prefill, args, device, reduced, peaks, fm):
         try:  # device time alone (one call captured and replayed): harness minus this is host overhead
             res["us_graph"] = 1e3 * time_graph(step, iters=args.iters)
         except Exception as e:  # noqa: BLE001 - a diagnostic column; say why it is missing
-            res["us_graph"] = float("nan")
+            res["us_graph"] = None
             print(f"  (graph replay failed: {type(e).__name__}: {e})")
         base = mla_decode.MLADecoder(backend="torch")
         res["us_torch"] = 1e3 * time_wall(lambda: base(config, x, kv), iters=max(5, args.iters // 4))
@@ -202,22 +202,30 @@ def run_shape(prefill, args, device, reduced, peaks, fm):
     return res
 
 
+def cell(v, w, spec):
+    """v formatted to width w, or '-' where it was not measured (None or NaN)."""
+    return f"{'-':>{w}}" if v is None or v != v else f"{v:>{w}{spec}}"
+
+
 def print_steady(ok_rows):
-    """The steady-state table (section 2)."""
-    nan = float("nan")
+    """The steady-state table (section 2); '-' marks a column not measured
+    here (the device-time, peer and floor columns need a GPU)."""
     print("\n## steady state: warmed calls on one cache (median, us)")
     print("(harness: wall clock between synchronizes; events: device events around one call; graph: one call "
-          "captured and replayed = device time; torch: PyTorch absorbed; flashmla: FlashMLA attention + PyTorch)")
+          "captured and replayed = device time; torch: PyTorch absorbed; flashmla: FlashMLA attention + PyTorch; "
+          "'-': not measured here)")
     print(f"{'prefill':>7} {'harness':>8} {'events':>8} {'graph':>8} {'torch':>8} {'flashmla':>8} {'floor':>7} "
           f"{'%floor':>6} {'GB/s':>6} {'TFLOP/s':>7}")
     for r in ok_rows:
-        fl = r.get("floor_us", nan)
-        print(f"{r['prefill']:>7} {r['us_harness']:>8.1f} {r.get('us_events', nan):>8.1f} {r.get('us_graph', nan):>8.1f} "
-              f"{r.get('us_torch', nan):>8.1f} {r.get('us_flashmla', nan):>8.1f} {fl:>7.1f} "
-              f"{100 * fl / r['us_harness']:>6.1f} {r.get('gbs', nan):>6.0f} {r.get('tflops', nan):>7.1f}")
+        fl = r.get("floor_us")
+        pct = 100 * fl / r["us_harness"] if fl is not None else None
+        print(f"{r['prefill']:>7} {cell(r['us_harness'], 8, '.1f')} {cell(r.get('us_events'), 8, '.1f')} "
+              f"{cell(r.get('us_graph'), 8, '.1f')} {cell(r.get('us_torch'), 8, '.1f')} "
+              f"{cell(r.get('us_flashmla'), 8, '.1f')} {cell(fl, 7, '.1f')} {cell(pct, 6, '.1f')} "
+              f"{cell(r.get('gbs'), 6, '.0f')} {cell(r.get('tflops'), 7, '.1f')}")
     line = f"geomean us: harness {geomean([r['us_harness'] for r in ok_rows]):.1f}"
     for k in ("us_events", "us_graph", "us_torch", "us_flashmla", "floor_us"):
-        if ok_rows and all(k in r for r in ok_rows):
+        if ok_rows and all(r.get(k) is not None for r in ok_rows):
             line += f" | {k[3:] if k.startswith('us_') else 'floor'} {geomean([r[k] for r in ok_rows]):.1f}"
     print(line)
 
@@ -274,7 +282,6 @@ def main():
         lb = dict(prefill=prefills[-1], error=err) if err else dict(prefill=prefills[-1], mean=st.mean, best=st.best,
                                                                     worst=st.worst, runs=st.runs, slowest=slowest(st))
 
-    nan = float("nan")
     print("\n## judged: the task harness's loops (wall clock between synchronizes, us)")
     print(f"{'prefill':>7} {'check':>5} {'mean':>8} {'best':>8} {'worst':>8} {'first':>8} {'runs':>4}")
     for r in rows:
