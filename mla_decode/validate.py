@@ -116,6 +116,10 @@ def validate(config, x, kv_cache) -> Dims:
         raise TypeError(f"kv_cache.data must be a torch.Tensor, got {type(data).__name__}")
     if data.dim() != 3:
         raise MLAInputError(f"kv_cache.data must have shape [bs, max_seq_len, {kv_lora + rope}], got {list(data.shape)}")
+    if data.shape[0] != bs:
+        raise MLAInputError(f"x's batch ({bs}) differs from kv_cache.data's ({data.shape[0]}): x [bs, 1, {dim}] "
+                            f"and kv_cache.data [bs, max_seq_len, {kv_lora + rope}] must have the same bs (one new "
+                            f"token per cached sequence), got x {list(x.shape)} and kv_cache.data {list(data.shape)}")
     dims = Dims(bs, dim, H, q_lora, kv_lora, nope, rope, v, data.shape[1])
     for name, (shape, text) in weight_shapes(dims).items():
         if not hasattr(config, name):

@@ -87,7 +87,14 @@ def test_cache_width(small_input):
 def test_cache_batch(small_input):
     config, x, kv = small_input()
     kv.data = kv.data[:2].clone()
-    call_and_check_untouched(config, x, kv, MLAInputError, r"kv_cache.data must have shape \[bs=3")
+    call_and_check_untouched(config, x, kv, MLAInputError, r"x's batch \(3\) differs from kv_cache.data's \(2\)")
+
+
+def test_x_batch_differs_from_the_cache(small_input):
+    config, x, kv = small_input()
+    call_and_check_untouched(config, x[:1].contiguous(), kv, MLAInputError,
+                             r"x's batch \(1\) differs from kv_cache.data's \(3\): .*got x \[1, 1, 96\] and kv_cache.data "
+                             r"\[3, 64, 40\]")
 
 
 def test_cache_dtype(small_input):
