@@ -95,7 +95,9 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     wrong kind raises). Same output where the planner would not split
     anyway (``splits_possible``); slower where it would.
     Returns (out [bs, s_q, h_q, head_dim_v] in q's dtype, lse [bs, h_q, s_q]
-    fp32, natural log). A sequence of length 0 gives out = 0 and lse = -inf.
+    fp32, natural log). A sequence of length 0 gives out = 0 and lse = -inf;
+    a negative length reads as 0, and one past kv's capacity (its rows, or
+    the block table's) is held to it: no row outside a sequence's own is read.
     ``out``/``lse`` may be passed in (destination passing)."""
     check_attention_shape(q.shape[-1], head_dim_v)
     require_kernels(q.device)

@@ -94,7 +94,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     Block ids: an id outside [0, num_blocks) in a slot a sequence uses is
     read as block 0 (never outside k_cache; that sequence's output is then
     unspecified). Lengths: one above the block table's max_blocks *
-    page_block_size rows is held to it. check_block_table=True (keyword)
+    page_block_size rows is held to it, and a negative one reads as 0 (out
+    0, lse -inf): no row outside a sequence's block-table row is read.
+    check_block_table=True (keyword)
     checks the lengths (within [0, max_blocks * page_block_size]) and the
     used slots first and raises ValueError naming the first bad one (a host
     synchronization: a debugging mode, not for the hot path).

@@ -67,6 +67,24 @@ def test_serving_empty_sequence_gives_zero_and_neg_inf():
     assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
 
 
+def test_serving_lengths_outside_the_table_are_held_to_it():
+    # a negative length reads as 0 (out 0, lse -inf); one past the table's rows reads as that many rows:
+    # nothing outside the sequence's block-table row is read; check_block_table=True refuses both
+    q, pages, table, seqlens = make_paged([320, 128], 64, h_q=16, seed=11)  # sequence 0 fills its 5 slots
+    k_cache = pages.unsqueeze(2)
+    meta, splits = get_mla_metadata(seqlens, 16, 1)
+    held, held_lse = flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits)
+    odd = torch.tensor([10 ** 6, -5], dtype=torch.int32, device="cuda")
+    out, lse = flash_mla_with_kvcache(q, k_cache, table, odd, 512, meta, splits)
+    assert torch.equal(out[0], held[0]) and torch.equal(lse[0], held_lse[0])
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 1000000 is outside \[0, 320\]"):
+        flash_mla_with_kvcache(q, k_cache, table, odd, 512, meta, splits, check_block_table=True)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = -5 is outside \[0, 320\]"):
+        flash_mla_with_kvcache(q, k_cache, table, odd[[0, 1]].clamp(max=320), 512, meta, splits,
+                               check_block_table=True)
+
+
 def test_serving_graph_capture_replays_new_lengths_and_tables():
     torch.manual_seed(0)
     block_size, h_q, s_q, b = 16, 64, 2, 4
