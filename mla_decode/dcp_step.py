@@ -18,10 +18,9 @@ j N + r. A step, on every rank with the same x:
 
 (Scattering the heads instead, as vLLM does: the LSEs all-gathered, each
 partial scaled by its merge weight, one fp32 reduce-scatter into rank r's
-H / N heads, W_UV and wo on those heads, one fp32 all-reduce of y. Four
-H100s measured it slower: 1839 / 1722 us per step at N = 2 / 4 against 845
-/ 870 with the all-gather, the host's small PyTorch ops around the three
-collectives being the cost; docs/multi_gpu.md.)
+H / N heads, W_UV and wo on those heads, one fp32 all-reduce of y, was
+measured slower than the all-gather, the host's small PyTorch ops around
+its three collectives being the cost: docs/not_kept.md.)
 
     import torch.distributed as dist
     from mla_decode.dcp_step import DCPDecoder, dcp_shard_task_cache
@@ -107,7 +106,14 @@ class DCPDecoder:
     Inputs are checked as custom_kernel checks them (MLAInputError or
     TypeError, nothing written); a full local cache raises. A group of one
     runs custom_kernel's own step (an MLADecoder with this backend, its
-    graph replays included)."""
+    graph replays included).
+
+    Cost: as it stands the step is SLOWER than custom_kernel on one GPU at
+    the task's shapes (prefill 6144: 1.3x one GPU's time on two H100s,
+    1.9-2.2x on two and four H200s; docs/multi_gpu.md): every rank still
+    streams all the weights, and about twenty small ops launched from
+    Python surround the exchange. What it is for: a cache too long for one
+    GPU's memory (each rank holds 1/N of the rows), not speed."""
 
     def __init__(self, group=None, backend: str = "auto"):
         if backend not in ("auto", "kernels", "torch"):

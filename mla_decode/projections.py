@@ -71,8 +71,8 @@ def down(x2, w_qd, w_kvd):
     """x2 [bs, dim] -> (q_lora [bs, q_lora], kv_new [bs, r + rope]): both
     products on the weights where they lie (no concatenated copy: the task's
     ranked mode passes new weight objects on every call); one launch on the
-    Hopper GEMM, two on the vendor's. (Measured on the H200: the second
-    vendor product on a forked stream, as a graph branch, saved nothing.)"""
+    Hopper GEMM, two on the vendor's (the second vendor product on a forked
+    stream, as a graph branch, saved nothing: docs/not_kept.md)."""
     bs = x2.shape[0]
     q_lora = torch.empty(bs, w_qd.shape[0], dtype=x2.dtype, device=x2.device)
     kv_new = torch.empty(bs, w_kvd.shape[0], dtype=x2.dtype, device=x2.device)
@@ -106,9 +106,9 @@ def query_rope_append(q_lora, w_qu, w_uk, kv_new, seqlens, tables, qbuf, cache, 
     """``query`` then ``rope_append`` (same arguments; the attention's query
     view of qbuf returned): one launch of the fused Hopper query where
     ``query_path`` says "sm90" (it rotates q_pe as it stores it and writes the
-    cache row and its rotated k_pe itself; measured on an H200: the separate
-    RoPE/append kernel took ~4.7 us of the step's critical path), else the
-    two stages as they are."""
+    cache row and its rotated k_pe itself, which takes the separate
+    RoPE/append kernel off the step's critical path: docs/projections.md),
+    else the two stages as they are."""
     r = w_uk.shape[2]
     path = query_path(q_lora, w_qu, w_uk, qbuf) if kernel else None
     if path == "sm90":
