@@ -49,10 +49,11 @@ from . import kernel_choice
 from . import projections
 from .attention import rope_table
 from .reference import rope_rotate
-from .validate import WEIGHTS, Dims, MLAInputError, cache_parts, config_dims, validate
+from .validate import CONFIG_DIMS, WEIGHTS, Dims, MLAInputError, cache_parts, config_dims, validate
 
 __all__ = ["MLADecoder", "MLAInputError", "custom_kernel", "Dims", "release_cached"]
 
+_ROPE = CONFIG_DIMS.index("qk_rope_head_dim")  # the rope width's place in config_dims(config)
 _lock = threading.Lock()
 _rope_tables = {}  # device -> (cos | sin table [n, rope] as the kernels take it, cos2, sin2 [n, rope] in [a, a])
 _outgrown = []  # tables replaced by longer ones: kept until release_cached() (graphs may read them)
@@ -139,7 +140,7 @@ class MLADecoder:
         which, want = plan
         if which == "kernels":
             try:
-                table = rope_tables(x.device, sizes[5], data.shape[1])[0]
+                table = rope_tables(x.device, sizes[_ROPE], data.shape[1])[0]
             except (AttributeError, IndexError, TypeError):  # data is no [bs, max_seq_len, d] tensor: validate says so
                 validate(config, x, kv_cache)
                 raise
@@ -165,8 +166,9 @@ class MLADecoder:
         if _fast_step is not None and self.backend != "torch":
             r = _fast_step(data)
             if r is not None:  # a replay of this step's captured graph, or the checked step run from C
-                self.last_backend, self._ran = "kernels", r[2]
-                return r[0], r[1]
+                y, cache_data, self._ran = r
+                self.last_backend = "kernels"
+                return y, cache_data
         config, x, kv_cache = data
         return self._call(config, x, kv_cache)
 
@@ -242,7 +244,8 @@ def custom_kernel(data):
     if _fast_step is not None:  # (inlined MLADecoder.step: one Python frame less on the timed path)
         r = _fast_step(data)
         if r is not None:
-            _DEFAULT.last_backend, _DEFAULT._ran = "kernels", r[2]
-            return r[0], r[1]
+            y, cache_data, _DEFAULT._ran = r
+            _DEFAULT.last_backend = "kernels"
+            return y, cache_data
     config, x, kv_cache = data  # (not step(): the lean replay was just tried)
     return _DEFAULT._call(config, x, kv_cache)
