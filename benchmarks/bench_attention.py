@@ -77,7 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import _ext, roofline  # noqa: E402
 import common  # noqa: E402
-from common import add_timing_args, dump_json, geomean, gpu_setup, rates  # noqa: E402
+from common import add_timing_args, cell, dump_json, geomean, gpu_setup, rates  # noqa: E402
 
 D, DV, PAGE = 576, 512, 64
 S_Q, H_KV = 1, 1  # one query row per sequence, one latent key head
@@ -292,10 +292,6 @@ def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nb
     res.update(g_tflops=r["tflops"], g_gbs=r["gbs"], g_pct_floor=r.get("pct_floor"))
     res["graph_flag"] = " ".join(sorted(f for f in flags if f))
     return res
-
-
-def cell(v, w, spec):
-    return f"{'-':>{w}}" if v is None else f"{v:>{w}{spec}}"
 
 
 HEADER = (f"{'h_q':>4} {'L':>6} {'rope':>4} | {'g us':>7} {'FM g':>7} {'xFM g':>5} {'g us sc':>7} {'FM g sc':>7} "

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import roofline  # noqa: E402
 from mla_decode.reference import generate_input, ref_kernel  # noqa: E402
-from common import device_name, flashmla, geomean, time_events, time_graph, time_wall  # noqa: E402
+from common import cell, device_name, flashmla, geomean, time_events, time_graph, time_wall  # noqa: E402
 import harness  # noqa: E402
 
 ATOL, RTOL = 8e-3, 2e-2
@@ -200,11 +200,6 @@ def run_shape(prefill, args, device, reduced, peaks, fm):
         res["tflops"] = roofline.decode_flops(args.bs, prefill) / res["us_harness"] / 1e6
     del config, x, kv
     return res
-
-
-def cell(v, w, spec):
-    """v formatted to width w, or '-' where it was not measured (None or NaN)."""
-    return f"{'-':>{w}}" if v is None or v != v else f"{v:>{w}{spec}}"
 
 
 def print_steady(ok_rows):

@@ -64,6 +64,11 @@ def rates(us, flops, nbytes, peaks):
     return row
 
 
+def cell(v, w, spec):
+    """v formatted to width w, or '-' where it was not measured (None or NaN)."""
+    return f"{'-':>{w}}" if v is None or v != v else f"{v:>{w}{spec}}"
+
+
 def add_timing_args(ap, iters):
     """--iters, --batch and --json: the options every attention-side benchmark takes."""
     ap.add_argument("--iters", type=int, default=iters)
