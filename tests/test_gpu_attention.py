@@ -162,6 +162,28 @@ def test_attention_many_items_per_block(rope):
     check(out, lse, ro, rl, f"384 sequences, rope={rope}")
 
 
+def test_planner_fills_the_slots_in_one_wave_at_one_length():
+    """A batch of one (long) length is cut into k = slots // bs parts per
+    sequence: the most that run in one wave on the GPU's slots (more parts
+    would leave a second wave on some slots; fewer leave slots idle). The
+    parts of a sequence cover its tiles once, in order."""
+    ext = mla_decode._ext.module()
+    tile = mla_decode._ext.attention_info(0).keys_per_tile  # (the same tile at every head block)
+    for h_q, bs, L in [(16, 128, 16384), (128, 8, 131073), (128, 16, 65537), (32, 32, 8193)]:
+        slots = ext.plan_target_parts(0, 1, h_q)
+        seqlens = torch.full((bs,), L, dtype=torch.int32, device="cuda")
+        plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, L).cpu()
+        k = max(1, slots // bs)
+        assert int(plan[0]) == k * bs, f"h_q {h_q}, bs {bs}, L {L}: {int(plan[0])} parts on {slots} slots, want {k * bs}"
+        base = (2 + 2 * bs + 7) // 8 * 8  # plan layout: plan.h (count, per_part, then (splits, first) per sequence)
+        parts = plan[base:base + 8 * k * bs].view(-1, 8)
+        for b in range(bs):
+            assert plan[2 + 2 * b].item() == k
+            mine = parts[parts[:, 0] == b]
+            assert mine[0, 1].item() == 0 and (mine[1:, 1] == mine[:-1, 2]).all(), f"sequence {b}: parts not contiguous"
+            assert mine[-1, 2].item() == -(-L // tile) and (mine[:, 6] == L).all(), f"sequence {b}: {mine.tolist()}"
+
+
 def test_attention_plan_made_once_serves_many_calls():
     """plan= (as FlashMLA's metadata): one plan from the plan op serves call
     after call with the same lengths (new q each time, as the layers of a

@@ -164,7 +164,7 @@ def test_refused_calls_write_nothing():
     w = config.Q_proj_up_weight
     bad = [
         (lambda: dec(config, x[:, :, :-8].contiguous(), kv), mla_decode.MLAInputError, "x must have shape"),
-        (lambda: dec(config, x[:2], kv), mla_decode.MLAInputError, r"kv_cache.data must have shape \[bs=2"),
+        (lambda: dec(config, x[:2], kv), mla_decode.MLAInputError, r"x's batch \(2\) differs from kv_cache.data's \(4\)"),
         (lambda: dec(config, x.float(), kv), TypeError, "x must be torch.bfloat16"),
         (lambda: dec(config, torch.cat([x, x], -1)[..., :x.shape[-1]], kv), mla_decode.MLAInputError,
          "x must be contiguous"),

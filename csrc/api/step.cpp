@@ -457,6 +457,11 @@ std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at:
                num(rope));
   if (cache.dim() != 3)
     fail_value("kv_cache.data must have shape [bs, max_seq_len, " + num(r + rope) + "], got " + shape_str(cache));
+  if (cache.size(0) != bs)  // (the words of mla_decode/validate.py)
+    fail_value("x's batch (" + num(bs) + ") differs from kv_cache.data's (" + num(cache.size(0)) + "): x [bs, 1, " +
+               num(dim) + "] and kv_cache.data [bs, max_seq_len, " + num(r + rope) +
+               "] must have the same bs (one new token per cached sequence), got x " + shape_str(x) +
+               " and kv_cache.data " + shape_str(cache));
   const int64_t max_len = cache.size(1);
   check_input(cache, "kv_cache.data", dev, {bs, max_len, r + rope},
               "[bs, max_seq_len, kv_lora_rank + rope]", false);

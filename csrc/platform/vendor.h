@@ -227,6 +227,22 @@ MLA_DEVICE void atomic_add_relaxed(int* p, int v) {
 #endif
 }
 
+MLA_DEVICE void atomic_min_relaxed(int* p, int v) {
+#if MLA_AMD
+  __atomic_fetch_min(p, v, __ATOMIC_RELAXED);
+#else
+  atomicMin(p, v);
+#endif
+}
+
+MLA_DEVICE void atomic_max_relaxed(int* p, int v) {
+#if MLA_AMD
+  __atomic_fetch_max(p, v, __ATOMIC_RELAXED);
+#else
+  atomicMax(p, v);
+#endif
+}
+
 MLA_DEVICE void sync_warp() {
 #if MLA_AMD
   // a wave executes in lock step; only the compiler must not reorder LDS ops

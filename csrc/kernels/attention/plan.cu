@@ -15,19 +15,20 @@ namespace {
 // One block of p.threads (<= kPlanThreads, a multiple of 64: bs rounded up,
 // so that a small batch pays for few threads in its barriers). Splits every
 // sequence into parts of about `per_part` tiles: per_part is the candidate
-// (P0 = total / target_parts, 1.25, 1.5 or 2 P0) with the smallest estimated
-// makespan on the target_parts slots (the longest part or the work per slot,
-// whichever is larger), counting a fixed cost per part and one for the
-// combine when a sequence is split. (P0 alone cuts sequences just longer
-// than P0 in two: twice the parts, in two waves, plus the combine; see
-// docs/attention.md. MLA_DECODE_PLAN_P0=1 keeps P0 alone for measurements.)
-// With p.no_split every sequence is one part (the plan of a call that
-// launches no combine: the decode step at a batch of at least target_parts
-// sequences of one length, which the candidates above never split either).
-// The planner is on the critical path of every call: the attention kernel
-// waits for it.
+// (P0 = total / target_parts, 1.25, 1.5 or 2 P0, or the longest sequence cut
+// into its share of the slots) with the smallest estimated makespan on the
+// target_parts slots (the longest part, the work per slot, or the waves of
+// parts beyond the slots, whichever is largest), counting a fixed cost per
+// part and one for the combine when a sequence is split. (P0 alone cuts
+// sequences just longer than P0 in two: twice the parts, in two waves, plus
+// the combine; see docs/attention.md. MLA_DECODE_PLAN_P0=1 keeps P0 alone for
+// measurements.) With p.no_split every sequence is one part (the plan of a
+// call that launches no combine: the decode step at a batch of at least
+// target_parts sequences of one length, which the candidates above never
+// split either). The planner is on the critical path of every call: the
+// attention kernel waits for it.
 constexpr int kPlanThreads = 1024;
-constexpr int kPlanCands = 4;
+constexpr int kPlanCands = 5;
 constexpr float kPartCost = 1.0f;     // per part, in tiles (a work item's fixed cost)
 constexpr float kCombineCost = 1.0f;  // when any sequence is split, in tiles
 
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   const int own_tiles = tid < p.bs ? tiles_from_len(tid) : 0;
   auto tiles_of = [&](int b) { return b == tid ? own_tiles : tiles_from_len(b); };
   // total tiles (an empty sequence counts one: it still gets a part) and the longest sequence
-  __shared__ int warp_max[kPlanThreads / 32];
+  __shared__ int longest_s;
   int mine = 0, longest = 0;
   const int nt = p.threads;
   for (int b = tid; b < p.bs; b += nt) {
@@ -65,56 +66,74 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
     mine += t > 0 ? t : 1;
     longest = max(longest, t);
   }
-  float wm = static_cast<float>(longest);  // exact: tiles < 2^24
-  for (int o = kWarpSize / 2; o > 0; o >>= 1) wm = fmaxf(wm, shfl_xor(wm, o));
-  if (tid % kWarpSize == 0) warp_max[tid / kWarpSize] = static_cast<int>(wm);
-  if (tid == 0) total_s = 0;
+  if (tid == 0) {
+    total_s = 0;
+    longest_s = 1;
+  }
   sync_threads();
   if (mine != 0) atomic_add_relaxed(&total_s, mine);
+  if (longest > 1) atomic_max_relaxed(&longest_s, longest);
   sync_threads();
   const int p0 = max(1, (total_s + p.target_parts - 1) / p.target_parts);
   int per_part = p0;
   if (p.no_split) {  // every sequence one part: per_part = the longest sequence's tiles
-    __shared__ int longest_s;
-    if (tid == 0) {
-      int tmax = 1;
-      for (int w = 0; w < nt / kWarpSize; ++w) tmax = max(tmax, warp_max[w]);
-      longest_s = tmax;
-    }
-    sync_threads();
     per_part = longest_s;
   } else if (!p.p0_only) {
-    __shared__ int cand_parts[kPlanCands];
+    // per candidate: the parts, and the shortest and longest part (a
+    // sequence of t tiles in n parts: n - 1 parts of ceil(t / n) tiles and the rest)
+    __shared__ int cand_parts[kPlanCands], cand_min[kPlanCands], cand_max[kPlanCands];
     __shared__ int chosen;
-    auto cand = [&](int c) { return c == 3 ? 2 * p0 : p0 + c * p0 / 4; };  // P0, 1.25, 1.5, 2 P0
-    if (tid < kPlanCands) cand_parts[tid] = 0;
+    // P0, 1.25, 1.5 and 2 P0, and the longest sequence cut into as many
+    // parts as its share of the slots (k; at one length: every sequence in k
+    // parts, the most parts that fit the slots in one wave)
+    const int k = max(1, static_cast<int>(static_cast<int64_t>(p.target_parts) * longest_s / total_s));
+    const int fit = (longest_s + k - 1) / k;
+    auto cand = [&](int c) { return c == 4 ? fit : c == 3 ? 2 * p0 : p0 + c * p0 / 4; };
+    if (tid < kPlanCands) {
+      cand_parts[tid] = 0;
+      cand_min[tid] = 0x7fffffff;
+      cand_max[tid] = 0;
+    }
     sync_threads();
 #pragma unroll 1
     for (int c = 0; c < kPlanCands; ++c) {
       const int pc = cand(c);
-      int np = 0;
-      for (int b = tid; b < p.bs; b += nt) np += max(1, (tiles_of(b) + pc - 1) / pc);
-      if (np != 0) atomic_add_relaxed(&cand_parts[c], np);
+      int np = 0, pmin = 0x7fffffff, pmax = 0;
+      for (int b = tid; b < p.bs; b += nt) {
+        const int t = tiles_of(b), n = max(1, (t + pc - 1) / pc), size = (t + n - 1) / n;
+        np += n;
+        pmin = min(pmin, max(0, t - (n - 1) * size));
+        pmax = max(pmax, size);
+      }
+      if (np != 0) {
+        atomic_add_relaxed(&cand_parts[c], np);
+        atomic_min_relaxed(&cand_min[c], pmin);
+        atomic_max_relaxed(&cand_max[c], pmax);
+      }
     }
     sync_threads();
-    // thread 0 evaluates the estimates for every thread: the longest part (at
-    // most min(P, longest sequence)) or the work per slot, whichever is
-    // larger, each part costing kPartCost more; ties go to fewer parts
+    // thread 0 estimates each candidate's makespan on the target_parts slots,
+    // each part costing kPartCost more: the largest of three lower bounds,
+    // the longest part, the work per slot, and ceil(parts / slots) parts of
+    // at least the shortest size on one slot (parts beyond the slots run in
+    // a further wave: 384 parts of 171 tiles on 264 slots take 342, not the
+    // 250 of the work per slot); ties go to fewer parts
     if (tid == 0) {
-      int tmax = 0;
-      for (int w = 0; w < nt / kWarpSize; ++w) tmax = max(tmax, warp_max[w]);
+      const float slots = static_cast<float>(p.target_parts);
       float best = 3.0e38f;
-      int pick = p0;
+      int pick = p0, pick_parts = 0x7fffffff;
 #pragma unroll 1
       for (int c = 0; c < kPlanCands; ++c) {
         const int np = cand_parts[c];
-        const float per_slot = (static_cast<float>(total_s) + kPartCost * static_cast<float>(np)) /
-                               static_cast<float>(p.target_parts);
-        const float est = fmaxf(static_cast<float>(min(cand(c), tmax)) + kPartCost, per_slot) +
+        const float per_slot = (static_cast<float>(total_s) + kPartCost * static_cast<float>(np)) / slots;
+        const float waves = static_cast<float>((np + p.target_parts - 1) / p.target_parts);
+        const float est = fmaxf(fmaxf(static_cast<float>(cand_max[c]) + kPartCost, per_slot),
+                                waves * (static_cast<float>(cand_min[c]) + kPartCost)) +
                           (np > p.bs ? kCombineCost : 0.0f);
-        if (est <= best) {
+        if (est < best || (est == best && np < pick_parts)) {
           best = est;
           pick = cand(c);
+          pick_parts = np;
         }
       }
       chosen = pick;
