@@ -51,14 +51,20 @@ match:
   ours with each call planning its split (`us`: one planner launch ahead of
   the attention, mla_attention's default), ours with the plan made once and
   passed as plan= (`us plan1`), then, on "no" rows, FlashMLA (`FlashMLA`).
+- one call (rope "no" rows): device events around a single call after a
+  synchronize (`1 call`, ours planning in the call; `FM 1`, FlashMLA): what a
+  caller that waits on each call sees, the host's launch path included.
+- host (rope "no" rows): host microseconds per call, `perf_counter` around
+  10 calls enqueued back to back, no synchronize between them (`host`,
+  `FM host`): the Python wrapper, its checks and its launches.
 An eager loop flatters whoever has the cheaper Python wrapper (FlashMLA's
 costs 40-80 us of host time per call): compare kernels by the graph columns.
 
 Columns: h_q, L, rope | g us, FM g, xFM g (graphs, pages in order), g us sc,
 FM g sc, xFM sc (scattered), TFLOP/s, TB/s and % of floor of g us (floor =
 max(bytes/BW, FLOPs/peak) with mla_decode.roofline's peaks for the device)
-| us, us plan1, FlashMLA, xFM, xFM plan1 (eager), max|d| (ours - FlashMLA)
-and the flag. xFM = FlashMLA us / ours (> 1: ours faster). Last line: the
+| us, us plan1, FlashMLA, xFM, xFM plan1 (eager) | 1 call, FM 1, host, FM host
+| max|d| (ours - FlashMLA) and the flag. xFM = FlashMLA us / ours (> 1: ours faster). Last line: the
 geometric means of the four ratios over the "no" rows, also per h_q.
 --kernel portable|hopper forces our kernel (MLA_DECODE_ATTN_KERNEL; the
 portable kernel is the one AMD builds run). --json FILE writes the same
@@ -77,7 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 from mla_decode import _ext, roofline  # noqa: E402
 import common  # noqa: E402
-from common import add_timing_args, cell, dump_json, geomean, gpu_setup, rates  # noqa: E402
+from common import add_timing_args, cell, dump_json, geomean, gpu_setup, host_ms, rates  # noqa: E402
 
 D, DV, PAGE = 576, 512, 64
 S_Q, H_KV = 1, 1  # one query row per sequence, one latent key head
@@ -236,9 +242,14 @@ def measure_row(h_q, L, ropes, args, peaks, fm, device="cuda", time_events=None)
         us = time_events(ours, iters=args.iters, batch=args.batch) * 1e3
         us1 = time_events(lambda: ours(plan), iters=args.iters, batch=args.batch) * 1e3
         row.update(rates(us, fl, by, peaks), us_plan_once=us1)
+        if rope == "no":  # one call after a synchronize (host path included), and the host's time per call
+            row.update(us_one=time_events(ours, iters=args.iters, batch=1) * 1e3,
+                       host_us=host_ms(ours, iters=args.iters) * 1e3)
         if paged and rope == "no" and "flashmla_error" not in row:
             fus = time_events(flash, iters=args.iters, batch=args.batch) * 1e3
-            row.update(us_flashmla=fus, vs_flashmla=fus / us, vs_flashmla_plan_once=fus / us1)
+            row.update(us_flashmla=fus, vs_flashmla=fus / us, vs_flashmla_plan_once=fus / us1,
+                       us_one_flashmla=time_events(flash, iters=args.iters, batch=1) * 1e3,
+                       host_us_flashmla=host_ms(flash, iters=args.iters) * 1e3)
         if args.graphs and rope == "no":
             row.update(measure_graphs(sets, seqlens, plan, h_q, out, lse, fm if paged else None, meta, args, fl, by,
                                       peaks))
@@ -296,7 +307,7 @@ def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nb
 
 HEADER = (f"{'h_q':>4} {'L':>6} {'rope':>4} | {'g us':>7} {'FM g':>7} {'xFM g':>5} {'g us sc':>7} {'FM g sc':>7} "
           f"{'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} {'us plan1':>8} {'FlashMLA':>8} "
-          f"{'xFM':>5} {'xFM plan1':>9} {'max|d|':>8}  flag")
+          f"{'xFM':>5} {'xFM plan1':>9} | {'1 call':>7} {'FM 1':>7} {'host':>5} {'FM host':>7} | {'max|d|':>8}  flag")
 
 
 def format_row(r):
@@ -307,8 +318,9 @@ def format_row(r):
             f"{cell(g('g_vs_flashmla_scatter'), 6, '.2f')} {cell(g('g_tflops'), 7, '.1f')} "
             f"{cell(g('g_gbs') / 1e3 if g('g_gbs') else None, 5, '.2f')} {cell(g('g_pct_floor'), 6, '.1f')} | "
             f"{cell(g('us'), 7, '.1f')} {cell(g('us_plan_once'), 8, '.1f')} {cell(g('us_flashmla'), 8, '.1f')} "
-            f"{cell(g('vs_flashmla'), 5, '.2f')} {cell(g('vs_flashmla_plan_once'), 9, '.2f')} "
-            f"{cell(g('max_diff_flashmla'), 8, '.1e')}  {g('flag', '')}")
+            f"{cell(g('vs_flashmla'), 5, '.2f')} {cell(g('vs_flashmla_plan_once'), 9, '.2f')} | "
+            f"{cell(g('us_one'), 7, '.1f')} {cell(g('us_one_flashmla'), 7, '.1f')} {cell(g('host_us'), 5, '.1f')} "
+            f"{cell(g('host_us_flashmla'), 7, '.1f')} | {cell(g('max_diff_flashmla'), 8, '.1e')}  {g('flag', '')}")
 
 
 SUMMARY_KEYS = ("g_vs_flashmla_order", "g_vs_flashmla_scatter", "vs_flashmla", "vs_flashmla_plan_once")
@@ -394,10 +406,13 @@ def main(argv=None):
         torch.cuda.empty_cache()
     s = summary(rows)
     print(summary_line(s))
-    print("(left of the bar, rope 'no' rows: device time per call in CUDA graphs, the plan and FlashMLA's metadata "
+    print("(first block, rope 'no' rows: device time per call in CUDA graphs, the plan and FlashMLA's metadata "
           "made once, 64-row pages in order (g us, FM g) and scattered (sc); TFLOP/s, TB/s and %floor of g us. "
-          "Right: eager calls, `batch` back to back: us plans in each call, plan1 passes the plan made once. "
-          "xFM = FlashMLA us / ours, > 1: ours faster; rope yes = keys rotated on the fly, the decode step's path)")
+          "Second: eager calls, `batch` back to back: us plans in each call, plan1 passes the plan made once. "
+          "Third, rope 'no' rows: one call after a synchronize (events around it: the host's launch path "
+          "included), ours planning in the call and FlashMLA (FM 1), and host us per call (the wrapper, checks "
+          "and launches, calls enqueued back to back). xFM = FlashMLA us / ours, > 1: ours faster; rope yes = "
+          "keys rotated on the fly, the decode step's path)")
     flagged = [r for r in rows if r.get("flag")]
     if flagged:
         print(f"FLAGGED: {len(flagged)} row(s): " + ", ".join(f"h_q {r['h_q']} L {r['L']} {r['rope']} {r['flag']}"

@@ -110,6 +110,24 @@ def time_events(fn, iters=50, warmup=5, batch=1):
     return statistics.median(times)
 
 
+def host_ms(fn, iters=20, warmup=3, batch=10):
+    """Median host milliseconds per call of fn(): perf_counter around `batch`
+    calls enqueued back to back (no synchronize between them, so the GPU's
+    work is not waited for: the time is the Python wrapper, its checks and
+    its launches), divided by batch; the queue is drained between samples."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e3 / batch)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def time_wall(fn, iters=20, warmup=3, sync=None, prepare=None):
     """Median milliseconds of fn() timed as the task harness does:
     synchronize, wall clock, call, synchronize, wall clock. With
