@@ -5,11 +5,14 @@
     python benchmarks/bench_attention.py --rope no --iters 30 --json out.json
     python benchmarks/bench_attention.py --dry-run              # the rows and their memory; no GPU needed
 
-Rows (bs 128, s_q 1, keys 576 = 512 latent + 64 rope, dv 512):
+Rows (bs 128 or --bs, s_q 1, keys 576 = 512 latent + 64 rope, dv 512):
   default (neither --heads nor --lengths given): h_q 128 at L 513, 1025,
     2049, 4097, 6145, 8193; h_q 16, 32 and 64 at L 4096 and 16384.
   --heads H... and/or --lengths L...: every h_q at every L (the one left
     out: h_q 128, or the h_q-128 lengths above).
+  --small-batch: small batches at long contexts, (h_q, bs, L) = (128, 1,
+    32769), (128, 8, 8193), (128, 16, 65537), (128, 8, 131073), (16, 32,
+    131073), (128, 512, 4097): where the split plan decides.
   --rope yes|kpe|no ...: the key modes of every row. Default: all three at
     h_q 128, "no" alone at other h_q.
 Key modes: "yes" rotates the keys' rope columns on the fly (rope_cs, what
@@ -60,16 +63,17 @@ match:
 An eager loop flatters whoever has the cheaper Python wrapper (FlashMLA's
 costs 40-80 us of host time per call): compare kernels by the graph columns.
 
-Columns: h_q, L, rope | g us, FM g, xFM g (graphs, pages in order), g us sc,
-FM g sc, xFM sc (scattered), TFLOP/s, TB/s and % of floor of g us (floor =
-max(bytes/BW, FLOPs/peak) with mla_decode.roofline's peaks for the device)
-| us, us plan1, FlashMLA, xFM, xFM plan1 (eager) | 1 call, FM 1, host, FM host
-| max|d| (ours - FlashMLA) and the flag. xFM = FlashMLA us / ours (> 1: ours faster). Last line: the
-geometric means of the four ratios over the "no" rows, also per h_q.
---kernel portable|hopper forces our kernel (MLA_DECODE_ATTN_KERNEL; the
-portable kernel is the one AMD builds run). --json FILE writes the same
-fields per row. Without a GPU it prints why and exits 1; without flash_mla
-it says so in one line and the FlashMLA columns read "-"."""
+Columns: h_q, bs, L, rope, parts (the parts the planner cut the batch into) |
+g us, FM g, xFM g (graphs, pages in order), g us sc, FM g sc, xFM sc (scattered),
+TFLOP/s, TB/s and % of floor of g us (floor = max(bytes/BW, FLOPs/peak) with
+mla_decode.roofline's peaks for the device) | us, us plan1, FlashMLA, xFM, xFM
+plan1 (eager) | 1 call, FM 1, host, FM host | max|d| (ours - FlashMLA) and the
+flag. xFM = FlashMLA us / ours (> 1: ours faster). Last line: the geometric
+means of the four ratios over the "no" rows, also per h_q. --kernel
+portable|hopper forces our kernel (MLA_DECODE_ATTN_KERNEL; the portable kernel
+is the one AMD builds run). --json FILE writes the same fields per row. Without
+a GPU it prints why and exits 1; without flash_mla it says so in one line and
+the FlashMLA columns read "-"."""
 
 import argparse
 import gc
@@ -91,6 +95,9 @@ SCALE = 0.0722  # softmax scale, the same for both kernels
 ROPES = ("yes", "kpe", "no")
 H128_LENGTHS = (513, 1025, 2049, 4097, 6145, 8193)
 DEFAULT_ROWS = [(128, L) for L in H128_LENGTHS] + [(h, L) for h in (16, 32, 64) for L in (4096, 16384)]
+# (h_q, bs, L): small batches at long contexts, where the split plan decides
+SMALL_BATCH_ROWS = [(128, 1, 32769), (128, 8, 8193), (128, 16, 65537), (128, 8, 131073), (16, 32, 131073),
+                    (128, 512, 4097)]
 L2_BYTES = 200e6  # the sets of a row together exceed this (L2 is 50-60 MB) ...
 SETS_BYTES = 4e9  # ... and stay under this (never fewer than 2 sets)
 MISMATCH = 5e-2  # max |ours - FlashMLA| above which a row is flagged
@@ -102,14 +109,17 @@ def pad(L):
     return (L + PAGE - 1) // PAGE * PAGE
 
 
-def row_specs(heads=None, lengths=None, ropes=None):
-    """[(h_q, L, key modes)]: the default rows when neither heads nor lengths
-    is given, else every h_q at every L."""
+def row_specs(heads=None, lengths=None, ropes=None, bs=128, small_batch=False):
+    """[(h_q, L, key modes, bs)]: the small-batch rows, or the default rows
+    when neither heads nor lengths is given, else every h_q at every L (at
+    batch bs)."""
+    if small_batch:
+        return [(h, L, tuple(ropes) if ropes else ("no",), b) for h, b, L in SMALL_BATCH_ROWS]
     if heads is None and lengths is None:
         pairs = DEFAULT_ROWS
     else:
         pairs = [(h, L) for h in (heads or [128]) for L in (lengths or H128_LENGTHS)]
-    return [(h, L, tuple(ropes) if ropes else (ROPES if h == 128 else ("no",))) for h, L in pairs]
+    return [(h, L, tuple(ropes) if ropes else (ROPES if h == 128 else ("no",)), bs) for h, L in pairs]
 
 
 def set_bytes(bs, L, h_q, ropes):
@@ -172,10 +182,10 @@ def check_row(ours, theirs):
     return d, ("MISMATCH" if d > MISMATCH else "")
 
 
-def measure_row(h_q, L, ropes, args, peaks, fm, device="cuda", time_events=None):
-    """The result rows of one (h_q, L): one per key mode."""
+def measure_row(h_q, L, ropes, bs, args, peaks, fm, device="cuda", time_events=None):
+    """The result rows of one (h_q, L, bs): one per key mode."""
     time_events = time_events or common.time_events
-    bs, Lp = args.bs, pad(L)
+    Lp = pad(L)
     n = n_sets(bs, L, h_q, ropes)
     sets = make_sets(n, bs, L, h_q, ropes, device)
     seqlens = torch.full((bs,), L, dtype=torch.int32, device=device)
@@ -184,6 +194,7 @@ def measure_row(h_q, L, ropes, args, peaks, fm, device="cuda", time_events=None)
     lse = torch.empty(bs, h_q, S_Q, device=device)
     # the plan made once, for the capacity the call itself plans with (kv's rows, Lpad)
     plan = torch.ops.mla_decode.plan(seqlens, S_Q, h_q, Lp)
+    parts = int(plan[0])  # (the parts the planner cut the batch into: plan.h)
     paged = meta = fm_error = None
     if fm is not None and "no" in ropes:
         paged = [pages_of(kv) for _, kv, _ in sets]
@@ -212,7 +223,7 @@ def measure_row(h_q, L, ropes, args, peaks, fm, device="cuda", time_events=None)
             return fm.flash_mla_with_kvcache(sets[j][0], pages, table, seqlens, DV, meta[0], meta[1],
                                              softmax_scale=SCALE, causal=False)[0]
 
-        row = dict(h_q=h_q, L=L, Lpad=Lp, bs=bs, rope=rope, n_sets=n)
+        row = dict(h_q=h_q, L=L, Lpad=Lp, bs=bs, rope=rope, n_sets=n, parts=parts)
         if fm_error and rope == "no":
             row["flashmla_error"] = fm_error
         # checked once on set 0, both ways of planning, before any timing
@@ -305,14 +316,15 @@ def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nb
     return res
 
 
-HEADER = (f"{'h_q':>4} {'L':>6} {'rope':>4} | {'g us':>7} {'FM g':>7} {'xFM g':>5} {'g us sc':>7} {'FM g sc':>7} "
+HEADER = (f"{'h_q':>4} {'bs':>4} {'L':>6} {'rope':>4} {'parts':>5} | {'g us':>7} {'FM g':>7} {'xFM g':>5} {'g us sc':>7} {'FM g sc':>7} "
           f"{'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} {'us plan1':>8} {'FlashMLA':>8} "
           f"{'xFM':>5} {'xFM plan1':>9} | {'1 call':>7} {'FM 1':>7} {'host':>5} {'FM host':>7} | {'max|d|':>8}  flag")
 
 
 def format_row(r):
     g = r.get
-    return (f"{r['h_q']:>4} {r['L']:>6} {r['rope']:>4} | {cell(g('g_us_order'), 7, '.1f')} "
+    return (f"{r['h_q']:>4} {r['bs']:>4} {r['L']:>6} {r['rope']:>4} {cell(g('parts'), 5, 'd')} | "
+            f"{cell(g('g_us_order'), 7, '.1f')} "
             f"{cell(g('g_flashmla_order'), 7, '.1f')} {cell(g('g_vs_flashmla_order'), 5, '.2f')} "
             f"{cell(g('g_us_scatter'), 7, '.1f')} {cell(g('g_flashmla_scatter'), 7, '.1f')} "
             f"{cell(g('g_vs_flashmla_scatter'), 6, '.2f')} {cell(g('g_tflops'), 7, '.1f')} "
@@ -361,7 +373,9 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", help="cache lengths L (a grid with --heads)")
     ap.add_argument("--rope", nargs="+", choices=ROPES, help="key modes of every row (default: all three at h_q 128, "
                                                              "'no' elsewhere)")
-    ap.add_argument("--bs", type=int, default=128)
+    ap.add_argument("--bs", type=int, default=128, help="batch of the default and --heads/--lengths rows")
+    ap.add_argument("--small-batch", action="store_true",
+                    help="the small-batch rows instead: (h_q, bs, L) " + ", ".join(map(str, SMALL_BATCH_ROWS)))
     ap.add_argument("--no-flashmla", action="store_true", help="do not time FlashMLA even when it imports")
     ap.add_argument("--dry-run", action="store_true", help="print the rows, sets and memory, and exit (no GPU)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false",
@@ -375,12 +389,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    specs = row_specs(args.heads, args.lengths, args.rope)
+    specs = row_specs(args.heads, args.lengths, args.rope, args.bs, args.small_batch)
     if args.dry_run:
-        for h, L, ropes in specs:
-            n = n_sets(args.bs, L, h, ropes)
-            print(f"h_q {h:>3} L {L:>6} (Lpad {pad(L)}) rope {','.join(ropes):<10} {n} sets x "
-                  f"{set_bytes(args.bs, L, h, ropes) / 1e9:.2f} GB")
+        for h, L, ropes, bs in specs:
+            n = n_sets(bs, L, h, ropes)
+            print(f"h_q {h:>3} bs {bs:>3} L {L:>6} (Lpad {pad(L)}) rope {','.join(ropes):<10} {n} sets x "
+                  f"{set_bytes(bs, L, h, ropes) / 1e9:.2f} GB")
         return 0
     if args.kernel:
         os.environ["MLA_DECODE_ATTN_KERNEL"] = args.kernel  # (read once, at the first attention call)
@@ -390,7 +404,7 @@ def main(argv=None):
     name, peaks = setup
     fm = None if args.no_flashmla else common.flashmla()
     kind = _ext.attention_info(torch.cuda.current_device()).kernel
-    print(f"# attention kernel ({kind}) vs FlashMLA | {name} | {mla_decode.backend()} | bs={args.bs} s_q=1 D={D} "
+    print(f"# attention kernel ({kind}) vs FlashMLA | {name} | {mla_decode.backend()} | s_q=1 D={D} "
           f"Dv={DV} | graphs: {GRAPH_CALLS} calls each, median of {args.graph_reps} replays | eager: batch "
           f"{args.batch}, median of {args.iters}")
     if fm is None:
@@ -398,8 +412,8 @@ def main(argv=None):
         print(f"# FlashMLA not measured: {why}; its columns read '-'")
     print(HEADER, flush=True)
     rows = []
-    for h, L, ropes in specs:
-        for r in measure_row(h, L, ropes, args, peaks, fm):
+    for h, L, ropes, bs in specs:
+        for r in measure_row(h, L, ropes, bs, args, peaks, fm):
             print(format_row(r), flush=True)
             rows.append(r)
         gc.collect()  # the row's sets (freed with measure_row's frame) back to the device before the next row's
