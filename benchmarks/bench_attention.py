@@ -316,9 +316,10 @@ def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nb
     return res
 
 
-HEADER = (f"{'h_q':>4} {'bs':>4} {'L':>6} {'rope':>4} {'parts':>5} | {'g us':>7} {'FM g':>7} {'xFM g':>5} {'g us sc':>7} {'FM g sc':>7} "
-          f"{'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} {'us plan1':>8} {'FlashMLA':>8} "
-          f"{'xFM':>5} {'xFM plan1':>9} | {'1 call':>7} {'FM 1':>7} {'host':>5} {'FM host':>7} | {'max|d|':>8}  flag")
+HEADER = (f"{'h_q':>4} {'bs':>4} {'L':>6} {'rope':>4} {'parts':>5} | {'g us':>7} {'FM g':>7} {'xFM g':>5} "
+          f"{'g us sc':>7} {'FM g sc':>7} {'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} "
+          f"{'us plan1':>8} {'FlashMLA':>8} {'xFM':>5} {'xFM plan1':>9} | {'1 call':>7} {'FM 1':>7} {'host':>5} "
+          f"{'FM host':>7} | {'max|d|':>8}  flag")
 
 
 def format_row(r):
