@@ -116,10 +116,11 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
 def mla_combine(o_part, lse_part):
     """Merge split-KV partials by their LSE.
 
-    o_part: [bs, num_splits, s_q, h_q, 512] fp32 (each split's normalised
-    output); lse_part: [bs, num_splits, s_q, h_q] fp32 (natural log; -inf
-    for an empty split). Returns (out [bs, s_q, h_q, 512] bf16,
-    lse [bs, h_q, s_q] fp32)."""
+    o_part: [bs, num_splits, s_q, h_q, dv] fp32, dv 64, 128, 256 or 512
+    (each split's normalised output; contiguous, starting on a 16-byte
+    boundary); lse_part: [bs, num_splits, s_q, h_q] fp32 (natural log; -inf
+    for an empty split, whose partial is never used). Returns (out [bs, s_q,
+    h_q, dv] bf16, lse [bs, h_q, s_q] fp32)."""
     require_kernels(o_part.device)
     return torch.ops.mla_decode.combine(o_part, lse_part)
 

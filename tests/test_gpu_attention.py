@@ -267,13 +267,16 @@ def test_attention_bad_inputs():
     assert bool((buf == 7.0).all())
 
 
-def test_combine_op():
-    g = torch.Generator(device="cuda").manual_seed(4)
-    bs, n, s_q, h_q = 3, 5, 2, 16
-    o_part = torch.randn(bs, n, s_q, h_q, DV, device="cuda", generator=g)
+@pytest.mark.parametrize("bs,n,dv", [(3, 5, 512), (1, 45, 512), (2, 70, 64), (2, 9, 128), (1, 33, 256)])
+def test_combine_op(bs, n, dv):
+    # n past a warp's width and not a whole number of the kernel's unrolled steps; every value width
+    g = torch.Generator(device="cuda").manual_seed(4 + n)
+    s_q, h_q = 2, 16
+    o_part = torch.randn(bs, n, s_q, h_q, dv, device="cuda", generator=g)
     lse_part = torch.randn(bs, n, s_q, h_q, device="cuda", generator=g) * 3
-    lse_part[0, 2] = float("-inf")  # an empty split: its partial must be ignored
-    o_part[0, 2] = float("nan")
+    for i in {2, n - 1}:  # empty splits: their partials (NaN here) must be ignored
+        lse_part[0, i] = float("-inf")
+        o_part[0, i] = float("nan")
     out, lse = mla_combine(o_part, lse_part)
     lp = lse_part.double()
     ref_lse = torch.logsumexp(lp, dim=1)                      # [bs, s_q, h_q]
@@ -281,7 +284,14 @@ def test_combine_op():
     ref_o = (w[..., None] * torch.nan_to_num(o_part.double())).sum(1)
     assert rel_err(out, ref_o) < 5e-3
     assert (lse.double() - ref_lse.permute(0, 2, 1)).abs().max().item() < 1e-4
-    assert lse.shape == (bs, h_q, s_q) and out.shape == (bs, s_q, h_q, DV)
+    assert lse.shape == (bs, h_q, s_q) and out.shape == (bs, s_q, h_q, dv)
+
+
+def test_combine_refuses_a_misaligned_partial():
+    buf = torch.zeros(1 * 2 * 1 * 8 * DV + 1, device="cuda")
+    lse_part = torch.zeros(1, 2, 1, 8, device="cuda")
+    with pytest.raises(ValueError, match=r"o_part must start on a 16-byte boundary"):
+        mla_combine(buf[1:].view(1, 2, 1, 8, DV), lse_part)
 
 
 def test_combine_all_empty_gives_zero_not_nan():

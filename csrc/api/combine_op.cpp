@@ -26,6 +26,9 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   check_shape(lse_part, "lse_part", {bs, n, s_q, h_q}, "[bs, num_splits, s_q, h_q] (matching o_part)");
   check_contiguous(o_part, "o_part");
   check_contiguous(lse_part, "lse_part");
+  if (offset16(o_part) != 0)
+    fail_value("o_part must start on a 16-byte boundary (the combine reads 16-byte pieces), got a view at byte offset " +
+               num(offset16(o_part)) + " from 16-byte alignment");
   if (bs * n > INT32_MAX || s_q * h_q > INT32_MAX) fail("combine: sizes overflow int32");
 
   c10::cuda::CUDAGuard guard(o_part.device());

@@ -19,7 +19,7 @@
 // The two grids differ because the two products want different shapes: a
 // warp reads from shared memory every key fragment it multiplies, so the
 // more rows a warp covers, the fewer times a key tile is read (the limit of
-// a tile-MMA kernel is shared-memory bandwidth: docs/attention.md). Rows per
+// a tile-MMA kernel is shared-memory bandwidth: docs/portable.md). Rows per
 // warp are bounded by registers: Q slice plus O must fit beside the
 // fragments in flight. The head block kM follows s_q * h_q (16, 32 or 64
 // rows; the host picks the instance), so that few heads do not pay for
@@ -123,7 +123,7 @@ struct TileChoice<kD, kDv, 16> { using type = AttnTile<kD, kDv, 16, 1, 2, 1, 16,
 // (scores 1 x 4, P V 1 x 4), two blocks per SM; 16 rows (dv 512) on 8 warps
 // (scores 1 x 8 over D padded to 640, P V 1 x 8: 120 registers), two blocks
 // per SM, each a 2 x 32-key ring. The choices and the ones measured slower:
-// docs/attention.md.
+// docs/portable.md.
 template <int kD, int kDv, int kM>
 struct TileChoice;
 template <int kD, int kDv>

@@ -10,47 +10,100 @@
 namespace mla {
 namespace {
 
-// One warp per query row: merge the splits by their LSE.
+// One warp per (query row, chunk of kV x warp-size columns): the warp takes
+// the row's LSE over its splits a warp's width of splits at a time, then
+// adds kCombineUnroll splits' partial chunks per step, all their loads in
+// flight at once (a load waits on no weight: each lane reads the split's LSE
+// itself, beside the partial). At bs 1 the warps of a row's chunks spread
+// the merge over the GPU.
 constexpr int kCombineWarps = 4;
+constexpr int kCombineUnroll = 8;
+
+template <int kDv>
+struct CombineShape {
+  static constexpr int kV = kDv / kWarpSize < 4 ? kDv / kWarpSize : 4;  // floats per lane: 16 bytes at most
+  static constexpr int kCols = kV * kWarpSize;
+  static constexpr int kChunks = kDv / kCols;
+  static_assert(kV >= 1 && kDv % kCols == 0, "Dv must be a whole number of warp-wide chunks");
+};
+
+template <int kV>
+MLA_DEVICE void load_floats(const float* src, float (&x)[kV]) {
+  if constexpr (kV == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else if constexpr (kV == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(src);
+    x[0] = v.x, x[1] = v.y;
+  } else {
+    x[0] = *src;
+  }
+}
+
+template <int kV, bool kF16>
+MLA_DEVICE void store_halves(bf16_t* dst, const float (&x)[kV]) {
+  using E = Half16<kF16>;
+  if constexpr (kV == 4) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(E::pack2(x[0], x[1]), E::pack2(x[2], x[3]));
+  } else if constexpr (kV == 2) {
+    *reinterpret_cast<uint32_t*>(dst) = E::pack2(x[0], x[1]);
+  } else {
+    *dst = E::from_float(x[0]);
+  }
+}
 
 template <int kDv, bool kF16>
 __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const CombineParams p) {
+  using C = CombineShape<kDv>;
   pdl_wait();  // (a dependent launch: the attention kernel's partials are visible from here)
   const int b = block_x();
   const int n = p.seq_info[2 * b];
   if (p.skip_single_split && n == 1) return;
   const int first = p.seq_info[2 * b + 1];
   const int warp = thread_x() / kWarpSize, lane = thread_x() % kWarpSize;
-  const int r = block_y() * kCombineWarps + warp;
+  const int task = block_y() * kCombineWarps + warp;
+  const int r = task / C::kChunks, col = (task % C::kChunks) * C::kCols + lane * C::kV;
   if (r >= p.rows) return;
-  constexpr int kPer = kDv / kWarpSize;
-  static_assert(kDv % kWarpSize == 0, "Dv must be a multiple of the warp size");
+  const int64_t lstride = p.rows;                                 // split s's LSE: lse_r[s * lstride]
+  const int64_t ostride = static_cast<int64_t>(p.rows) * kDv;     // split s's chunk: src[s * ostride]
+  const float* lse_r = p.lse_part + static_cast<int64_t>(first) * p.rows + r;
+  const float* src = p.o_part + (static_cast<int64_t>(first) * p.rows + r) * kDv + col;
 
   float mx = neg_inf();
-  for (int s = 0; s < n; ++s) mx = fmaxf(mx, p.lse_part[static_cast<int64_t>(first + s) * p.rows + r]);
-  float acc[kPer];
+  for (int s = lane; s < n; s += kWarpSize) mx = fmaxf(mx, lse_r[s * lstride]);
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) acc[k] = 0.f;
+  for (int off = 1; off < kWarpSize; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
+  float acc[C::kV];
+#pragma unroll
+  for (int k = 0; k < C::kV; ++k) acc[k] = 0.f;
   constexpr float kLog2e = 1.4426950408889634f;
   float lse = neg_inf();
   if (mx != neg_inf()) {
     float sum = 0.f;
-    for (int s = 0; s < n; ++s)
-      sum += fast_exp2((p.lse_part[static_cast<int64_t>(first + s) * p.rows + r] - mx) * kLog2e);
-    lse = mx + fast_log2(sum) / kLog2e;
-    for (int s = 0; s < n; ++s) {
-      const int64_t pr = static_cast<int64_t>(first + s) * p.rows + r;
-      const float w = fast_exp2((p.lse_part[pr] - lse) * kLog2e);
-      if (w == 0.f) continue;  // an empty split's partial is never read
-      const float* src = p.o_part + pr * kDv;
+    for (int s = lane; s < n; s += kWarpSize) sum += fast_exp2((lse_r[s * lstride] - mx) * kLog2e);
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) acc[k] += w * src[k * kWarpSize + lane];
+    for (int off = 1; off < kWarpSize; off <<= 1) sum += shfl_xor(sum, off);
+    lse = mx + fast_log2(sum) / kLog2e;
+    for (int s0 = 0; s0 < n; s0 += kCombineUnroll) {
+      float x[kCombineUnroll][C::kV], l[kCombineUnroll];
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        l[u] = neg_inf();
+        if (s0 + u < n) {
+          l[u] = lse_r[(s0 + u) * lstride];
+          load_floats<C::kV>(src + (s0 + u) * ostride, x[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        const float w = fast_exp2((l[u] - lse) * kLog2e);
+#pragma unroll
+        for (int k = 0; k < C::kV; ++k) acc[k] += w == 0.f ? 0.f : w * x[u][k];  // an empty split's partial is never used
+      }
     }
   }
-  bf16_t* dst = p.o + (static_cast<int64_t>(b) * p.rows + r) * kDv;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) dst[k * kWarpSize + lane] = Half16<kF16>::from_float(acc[k]);
-  if (lane == 0) {
+  store_halves<C::kV, kF16>(p.o + (static_cast<int64_t>(b) * p.rows + r) * kDv + col, acc);
+  if (col == 0) {
     const int i = r / p.h_q, h = r % p.h_q;
     p.lse[(static_cast<int64_t>(b) * p.h_q + h) * p.s_q + i] = lse;
   }
@@ -146,22 +199,25 @@ const char* launch_combine_as(dim3 grid, const CombineParams& p, stream_t stream
   return nullptr;
 }
 
-const char* launch_combine(const CombineParams& p, stream_t stream) {
-  dim3 grid(p.bs, (p.rows + kCombineWarps - 1) / kCombineWarps);
-  switch (p.dv * 2 + (p.f16 ? 1 : 0)) {
-#define MLA_CASE(DV)                                         \
-  case 2 * DV:                                               \
-    if (const char* e = launch_combine_as<DV, false>(grid, p, stream)) return e; \
-    break;                                                   \
-  case 2 * DV + 1:                                           \
-    if (const char* e = launch_combine_as<DV, true>(grid, p, stream)) return e; \
-    break;
-    MLA_CASE(64) MLA_CASE(128) MLA_CASE(256) MLA_CASE(512)
-#undef MLA_CASE
-    default:
-      return "launch_combine: unsupported value width (supported: 64, 128, 256, 512)";
-  }
+template <int kDv>
+const char* launch_combine_dv(const CombineParams& p, stream_t stream) {
+  const int64_t blocks = (static_cast<int64_t>(p.rows) * CombineShape<kDv>::kChunks + kCombineWarps - 1) / kCombineWarps;
+  if (blocks > 65535) return "launch_combine: too many query rows per sequence (s_q * h_q)";
+  const dim3 grid(p.bs, static_cast<unsigned>(blocks));
+  if (const char* e = p.f16 ? launch_combine_as<kDv, true>(grid, p, stream) : launch_combine_as<kDv, false>(grid, p, stream))
+    return e;
   return last_launch_error();
+}
+
+const char* launch_combine(const CombineParams& p, stream_t stream) {
+  if (p.bs <= 0 || p.rows <= 0) return "launch_combine: empty sizes";
+  switch (p.dv) {
+    case 64: return launch_combine_dv<64>(p, stream);
+    case 128: return launch_combine_dv<128>(p, stream);
+    case 256: return launch_combine_dv<256>(p, stream);
+    case 512: return launch_combine_dv<512>(p, stream);
+    default: return "launch_combine: unsupported value width (supported: 64, 128, 256, 512)";
+  }
 }
 
 const char* launch_merge(const MergeParams& p, stream_t stream) {
