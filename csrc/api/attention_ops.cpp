@@ -247,8 +247,11 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
     if (!rows_aligned16(q)) fail_value("q must be 16-byte aligned with strides that are multiples of 8 (per-head rope keys), got strides " + list_str(q.strides()));
   }
   if (!(softmax_scale > 0.0)) fail_value("softmax_scale must be positive, got " + num(softmax_scale));
-  enqueue_attention({q, kv, seqlens, block_table, rope_cs, kpe, kpe_heads, plan_in, out, lse, softmax_scale, causal,
-                     split, plan_fresh, f16, per_head, bs, s_q, h_q, dv, rope, rope_in_key, kl, -1, false});
+  enqueue_attention({.q = q, .kv = kv, .seqlens = seqlens, .block_table = block_table, .rope_cs = rope_cs,
+                     .kpe = kpe, .kpe_heads = kpe_heads, .plan_in = plan_in, .out = out, .lse = lse,
+                     .softmax_scale = softmax_scale, .causal = causal, .split = split, .plan_fresh = plan_fresh,
+                     .f16 = f16, .per_head = per_head, .bs = bs, .s_q = s_q, .h_q = h_q, .dv = dv, .rope = rope,
+                     .rope_in_key = rope_in_key, .kl = kl, .capturing = -1, .build_table = false});
 }
 
 // The split plan (made here or passed in), the partials' workspaces, the launches: rope scores, attention, combine.
@@ -450,8 +453,11 @@ void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   const c10::optional<at::Tensor> none, cs = rope_cs, pl = plan;
   const int64_t bs = q.size(0), h_q = q.size(2), rope = q.size(3) - head_dim_v;
   const KvLayout kl{kv.stride(1), kv.stride(0), kv.size(1), kv.size(1), 0};
-  enqueue_attention({q, kv, seqlens, none, cs, none, none, pl, out, lse, softmax_scale, false, split, true,
-                     false, false, bs, 1, h_q, head_dim_v, rope, rope, kl, capturing ? 1 : 0, true});
+  enqueue_attention({.q = q, .kv = kv, .seqlens = seqlens, .block_table = none, .rope_cs = cs, .kpe = none,
+                     .kpe_heads = none, .plan_in = pl, .out = out, .lse = lse, .softmax_scale = softmax_scale,
+                     .causal = false, .split = split, .plan_fresh = true, .f16 = false, .per_head = false, .bs = bs,
+                     .s_q = 1, .h_q = h_q, .dv = head_dim_v, .rope = rope, .rope_in_key = rope, .kl = kl,
+                     .capturing = capturing ? 1 : 0, .build_table = true});
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,

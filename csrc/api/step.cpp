@@ -98,6 +98,18 @@ void w_uv(const at::Tensor& ws, int64_t s_olat, int64_t s_obuf, int64_t s_lt, co
               carve(w_kvu, nope * r * 2, {H, r, v}, {(nope + v) * r, 1, r}, at::kBFloat16));
 }
 
+// The layer's sizes as the step takes them: cfg = [dim, heads, q_lora,
+// kv_lora, nope, rope, v], the order of mla_decode.validate.CONFIG_DIMS.
+// The one place that knows the order.
+struct StepDims {
+  int64_t dim, heads, q_lora, kv_lora, nope, rope, v;
+};
+
+StepDims step_dims(c10::ArrayRef<int64_t> cfg) {
+  if (cfg.size() != 7) fail_value("decode_step: cfg must be [dim, heads, q_lora, kv_lora, nope, rope, v]");
+  return {cfg[0], cfg[1], cfg[2], cfg[3], cfg[4], cfg[5], cfg[6]};
+}
+
 // What a step's sizes alone decide (the device, the layer's sizes, the
 // batch, the cache's capacity and the wished paths), worked out at a shape's
 // first call and looked up by the later ones in one search: whether the
@@ -125,7 +137,9 @@ StepShape make_step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef
   s.max_len = max_len;
   s.want = want;
   std::copy(cfg.begin(), cfg.end(), s.cfg.begin());
-  const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], rope = cfg[5], v = cfg[6], d = r + rope;
+  const StepDims sizes = step_dims(cfg);
+  const int64_t dim = sizes.dim, H = sizes.heads, q_lora = sizes.q_lora, r = sizes.kv_lora, rope = sizes.rope,
+                v = sizes.v, d = r + rope;
   // every sequence one part, and no combine, where the planner could not split a batch of one length anyway
   s.split = bs < plan_target_parts(device, 1, H);
   s.pp = step_plan_params(device, bs, H, max_len, s.split, &s.plan_elems);
@@ -256,7 +270,9 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
                      const at::Tensor& w_kvu, const at::Tensor& w_o, const at::Tensor& cache, const at::Tensor& rope_cs,
                      c10::ArrayRef<int64_t> cfg, int64_t pos, int64_t want, int32_t* len_slot, bool capturing) {
   step_mark("enqueue");
-  const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
+  const StepDims sizes = step_dims(cfg);
+  const int64_t dim = sizes.dim, H = sizes.heads, q_lora = sizes.q_lora, r = sizes.kv_lora, nope = sizes.nope,
+                rope = sizes.rope, v = sizes.v;
   const int64_t bs = x.size(0), d = r + rope, max_len = cache.size(1);
   const int device = x.get_device();
   constexpr auto bf16 = at::kBFloat16;
@@ -443,8 +459,9 @@ std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at:
                                                   const StepKey* prefix) {
   StepMarksScope marks;  // (MLA_DECODE_STEP_GRAPH_TRACE=2)
   // ---- checks, in the order device, dtype, layout, shape; nothing is written before they pass
-  if (cfg.size() != 7) fail_value("decode_step: cfg must be [dim, heads, q_lora, kv_lora, nope, rope, v]");
-  const int64_t dim = cfg[0], H = cfg[1], q_lora = cfg[2], r = cfg[3], nope = cfg[4], rope = cfg[5], v = cfg[6];
+  const StepDims sizes = step_dims(cfg);
+  const int64_t dim = sizes.dim, H = sizes.heads, q_lora = sizes.q_lora, r = sizes.kv_lora, nope = sizes.nope,
+                rope = sizes.rope, v = sizes.v;
   if (!x.is_cuda()) fail_value("x must be on a GPU for the kernels, got " + x.device().str());
   const at::Device dev = x.device();
   check_dtype(x, "x", at::kBFloat16);
