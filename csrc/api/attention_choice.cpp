@@ -125,10 +125,16 @@ int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {
       .first;
 }
 
-std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {
+AttentionFacts attention_info(int64_t device, int64_t dv, int64_t rope) {
   const detail::DeviceAttnInfo& i = detail::device_attn_info(static_cast<int>(device), dv, rope);
-  return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
-          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       static_cast<int64_t>(i.kind)};
+  return {.rows_per_block = i.kernel.rows_per_block,
+          .keys_per_tile = i.kernel.tile,
+          .threads = i.kernel.threads,
+          .smem_bytes = i.kernel.smem_bytes,
+          .warp_size = i.kernel.warp_size,
+          .blocks_per_sm = i.kernel.blocks_per_sm,
+          .sms = i.sm_count,
+          .hopper = i.kind == detail::AttnKernel::kHopper};
 }
 
 }  // namespace mla::api

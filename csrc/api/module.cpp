@@ -43,9 +43,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       },
       "the C++ side's environment switches as read once by this process (csrc/platform/switches.h)");
-  m.def("attention_info", &mla::api::attention_info, py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
-        "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, "
-        "1 hopper)] for value width dv and rope width rope inside the key (0: per-head rope keys)");
+  m.def(
+      "attention_info",
+      [](int64_t device, int64_t dv, int64_t rope) {
+        const mla::api::AttentionFacts f = mla::api::attention_info(device, dv, rope);
+        py::dict d;
+        d["rows_per_block"] = f.rows_per_block;
+        d["keys_per_tile"] = f.keys_per_tile;
+        d["threads"] = f.threads;
+        d["smem_bytes"] = f.smem_bytes;
+        d["warp_size"] = f.warp_size;
+        d["blocks_per_sm"] = f.blocks_per_sm;
+        d["sms"] = f.sms;
+        d["kernel"] = f.hopper ? "hopper" : "portable";
+        return d;
+      },
+      py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
+      "the attention kernel's facts by name (mla_decode._ext.AttentionInfo's fields) for value width dv and rope "
+      "width rope inside the key (0: per-head rope keys)");
   m.def("plan_target_parts", &mla::api::plan_target_parts, py::arg("device"), py::arg("s_q"), py::arg("h_q"),
         "the split planner's target parts per head block on `device` for s_q x h_q query rows");
   m.def("attention_bounded_register", &mla::api::attention_bounded_register, py::arg("kv"), py::arg("kpe"),

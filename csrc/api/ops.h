@@ -128,9 +128,13 @@ std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at:
                                                   c10::ArrayRef<int64_t> cfg, const at::Tensor& rope_cs, int64_t want,
                                                   const StepKey* prefix);
 
-// [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
-//  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`
-// for value width dv and rope width rope inside the key (0: per-head rope keys).
-std::vector<int64_t> attention_info(int64_t device, int64_t dv = 512, int64_t rope = 64);
+// The facts of the attention kernel on `device` for value width dv and rope
+// width rope inside the key (0: per-head rope keys); Python receives them by
+// name (module.cpp), as mla_decode._ext.AttentionInfo.
+struct AttentionFacts {
+  int64_t rows_per_block, keys_per_tile, threads, smem_bytes, warp_size, blocks_per_sm, sms;
+  bool hopper;  // the Hopper wgmma kernel (else the portable tile-MMA one)
+};
+AttentionFacts attention_info(int64_t device, int64_t dv = 512, int64_t rope = 64);
 
 }  // namespace mla::api
