@@ -91,6 +91,10 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
                  const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
                  const c10::optional<at::Tensor>& kpe_out);
 
+// One read of t's bytes at the device's streaming rate (contiguous, 16-byte
+// pieces from a 16-byte boundary); implemented in ops_projections.cpp.
+void stream_read(const at::Tensor& t);
+
 // Drop the attention's bounded-map tables (their memory returns to the
 // allocator once the streams that used them are past those uses).
 void release_cached();
