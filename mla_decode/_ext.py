@@ -36,7 +36,8 @@ def attention_info(device: int, dv: int = 512, rope: int = 64) -> AttentionInfo:
     Raises RuntimeError where the kernels cannot run there."""
     if _C is None:
         raise RuntimeError(f"mla_decode kernels are not built: {_IMPORT_ERROR}")
-    return AttentionInfo(**_C.attention_info(device, dv, rope))
+    f = _C.attention_info(device, dv, rope)
+    return AttentionInfo(*f[:7], "hopper" if f[7] == 1 else "portable")
 
 
 def module():

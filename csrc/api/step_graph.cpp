@@ -19,7 +19,6 @@
 #include <string>
 
 #include "../kernels/attention/attention.h"
-#include "../platform/switches.h"
 #include "../platform/vendor.h"
 #include "checks.h"
 #include "ops.h"
@@ -89,7 +88,10 @@ std::vector<DeviceState>& devices = *new std::vector<DeviceState>();
 uint64_t tick = 0;  // steps run (replays, eager calls and captures), process-wide: the clock of Entry::used
                     // and of DeviceState::recent
 
-bool graphs_off() { return !switches().step_graph; }
+bool graphs_off() {
+  static const bool off = env_off("MLA_DECODE_STEP_GRAPH");
+  return off;
+}
 
 bool trace_captures() { return step_trace_level() >= 1; }
 
@@ -214,7 +216,10 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
 
 }  // namespace
 
-int step_trace_level() { return switches().step_graph_trace; }
+int step_trace_level() {
+  static const int level = env_int("MLA_DECODE_STEP_GRAPH_TRACE");
+  return level;
+}
 
 bool step_marks_begin() {
   if (step_trace_level() < 2 || call_marks.open) return false;
