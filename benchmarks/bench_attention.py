@@ -63,7 +63,9 @@ match:
 An eager loop flatters whoever has the cheaper Python wrapper (FlashMLA's
 costs 40-80 us of host time per call): compare kernels by the graph columns.
 
-Columns: h_q, bs, L, rope, parts (the parts the planner cut the batch into) |
+Columns: h_q, bs, L, rope, parts (the parts the planner cut the batch into),
+comb (us of the combine alone on this plan's splits, in a graph as g us, its
+partials in L2; '-' where nothing is split) |
 g us, FM g, xFM g (graphs, pages in order), g us sc, FM g sc, xFM sc (scattered),
 TFLOP/s, TB/s and % of floor of g us (floor = max(bytes/BW, FLOPs/peak) with
 mla_decode.roofline's peaks for the device) | us, us plan1, FlashMLA, xFM, xFM
@@ -312,11 +314,20 @@ def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nb
             res[f"g_vs_flashmla_{lay}"] = fus / us
     r = rates(res["g_us_order"], flops, nbytes, peaks)
     res.update(g_tflops=r["tflops"], g_gbs=r["gbs"], g_pct_floor=r.get("pct_floor"))
+    # the combine's share: the same kernel merging this plan's splits alone (equal lengths: parts / bs
+    # splits per sequence), its partials in L2 as the attention leaves them
+    bs, parts = seqlens.numel(), int(plan[0])
+    if parts > bs and parts % bs == 0:
+        o_part = torch.randn(bs, parts // bs, S_Q, h_q, DV, device=seqlens.device)
+        lse_part = torch.randn(bs, parts // bs, S_Q, h_q, device=seqlens.device)
+        res["g_combine"] = common.time_graph_calls([lambda: mla_decode.mla_combine(o_part, lse_part)] * GRAPH_CALLS,
+                                                   reps=args.graph_reps) * 1e3
+        del o_part, lse_part
     res["graph_flag"] = " ".join(sorted(f for f in flags if f))
     return res
 
 
-HEADER = (f"{'h_q':>4} {'bs':>4} {'L':>6} {'rope':>4} {'parts':>5} | {'g us':>7} {'FM g':>7} {'xFM g':>5} "
+HEADER = (f"{'h_q':>4} {'bs':>4} {'L':>6} {'rope':>4} {'parts':>5} {'comb':>5} | {'g us':>7} {'FM g':>7} {'xFM g':>5} "
           f"{'g us sc':>7} {'FM g sc':>7} {'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} "
           f"{'us plan1':>8} {'FlashMLA':>8} {'xFM':>5} {'xFM plan1':>9} | {'1 call':>7} {'FM 1':>7} {'host':>5} "
           f"{'FM host':>7} | {'max|d|':>8}  flag")
@@ -324,7 +335,8 @@ HEADER = (f"{'h_q':>4} {'bs':>4} {'L':>6} {'rope':>4} {'parts':>5} | {'g us':>7}
 
 def format_row(r):
     g = r.get
-    return (f"{r['h_q']:>4} {r['bs']:>4} {r['L']:>6} {r['rope']:>4} {cell(g('parts'), 5, 'd')} | "
+    return (f"{r['h_q']:>4} {r['bs']:>4} {r['L']:>6} {r['rope']:>4} {cell(g('parts'), 5, 'd')} "
+            f"{cell(g('g_combine'), 5, '.1f')} | "
             f"{cell(g('g_us_order'), 7, '.1f')} "
             f"{cell(g('g_flashmla_order'), 7, '.1f')} {cell(g('g_vs_flashmla_order'), 5, '.2f')} "
             f"{cell(g('g_us_scatter'), 7, '.1f')} {cell(g('g_flashmla_scatter'), 7, '.1f')} "

@@ -18,7 +18,12 @@ query on our fused query kernel where they run, the rest on the vendor
 BLAS), all on the vendor BLAS (the query as two vendor products), and,
 where it runs (a Hopper build on a Hopper GPU), every product on our Hopper
 kernels (MLA_DECODE_GEMM=sm90: the query fused, as by default; the RoPE
-kernel is the same in all three). Asserts nothing.
+kernel is the same in all three). Beside each stage, the bare stream of its
+weight bytes, timed the same way in the same run: one read of as many bytes
+from one buffer at the device's streaming rate (`torch.ops.mla_decode.
+stream_read`, a full wave of blocks that only loads), and the stage's time
+over it (x bare: the ceiling a stage that reads its weights once can reach
+is 1.0). Asserts nothing.
 """
 
 import argparse
@@ -84,8 +89,18 @@ def main():
     copy = copy_bandwidth_gbs()
     print(f"# bench_projections | device: {device_name()} | measured copy bandwidth {copy:.0f} GB/s "
           "(read + write)")
-    print(f"{'bs':>4} {'stage':<48} {'GEMM':<8} {'weight MB':>9} {'us':>8} {'GB/s':>7} {'% copy BW':>9}")
+    print(f"{'bs':>4} {'stage':<48} {'GEMM':<8} {'weight MB':>9} {'us':>8} {'GB/s':>7} {'% copy BW':>9} "
+          f"{'bare us':>8} {'x bare':>6}")
     rows = []
+    bare_us = {}  # weight bytes -> the bare stream's us (the same for every bs and mode)
+
+    def bare(nbytes):
+        if nbytes not in bare_us:
+            buf = torch.empty(nbytes // 16 * 16, dtype=torch.uint8, device="cuda")
+            bare_us[nbytes] = 1e3 * time_graph_cold(lambda: torch.ops.mla_decode.stream_read(buf), iters=args.iters)
+            del buf
+        return bare_us[nbytes]
+
     saved = os.environ.get("MLA_DECODE_GEMM")
     for bs in args.bs:
         for mode in ("default", "vendor", "sm90"):
@@ -102,10 +117,11 @@ def main():
             for name, nbytes, fn in stages(bs):
                 us = 1e3 * time_graph_cold(fn, iters=args.iters)
                 gbs = nbytes / us / 1e3
+                b_us = bare(nbytes)
                 rows.append(dict(bs=bs, stage=name, gemm=gemm, weight_bytes=nbytes, us=us, gbs=gbs,
-                                 pct_copy=100 * gbs / copy))
+                                 pct_copy=100 * gbs / copy, bare_us=b_us, x_bare=us / b_us))
                 print(f"{bs:>4} {name:<48} {gemm:<8} {nbytes / 1e6:>9.1f} {us:>8.1f} {gbs:>7.0f} "
-                      f"{100 * gbs / copy:>9.1f}", flush=True)
+                      f"{100 * gbs / copy:>9.1f} {b_us:>8.1f} {us / b_us:>6.2f}", flush=True)
             torch.cuda.empty_cache()
     if saved is None:
         os.environ.pop("MLA_DECODE_GEMM", None)

@@ -36,8 +36,7 @@ def attention_info(device: int, dv: int = 512, rope: int = 64) -> AttentionInfo:
     Raises RuntimeError where the kernels cannot run there."""
     if _C is None:
         raise RuntimeError(f"mla_decode kernels are not built: {_IMPORT_ERROR}")
-    f = _C.attention_info(device, dv, rope)
-    return AttentionInfo(*f[:7], "hopper" if f[7] == 1 else "portable")
+    return AttentionInfo(**_C.attention_info(device, dv, rope))
 
 
 def module():

@@ -184,6 +184,25 @@ def test_planner_fills_the_slots_in_one_wave_at_one_length():
             assert mine[-1, 2].item() == -(-L // tile) and (mine[:, 6] == L).all(), f"sequence {b}: {mine.tolist()}"
 
 
+@pytest.mark.parametrize("lens,h_q", [([131072, 1, 32769, 8193], 128), ([1, 131073, 0, 65537, 513], 16),
+                                      ([32769], 128)])
+def test_small_batch_long_contexts_split_and_merged(lens, h_q):
+    """Small batches at long contexts, as long-context serving runs them:
+    lengths up to 131073 beside 1 (and 0) in one batch, NaN past every
+    length. The planner cuts the long sequences into many parts (tens, a
+    wave's worth at bs 1) that the combine merges; planned in the call and
+    with a plan made beforehand. Against the float64 reference."""
+    q, kv, seqlens = make_case(lens, h_q=h_q, seed=len(lens) + h_q)
+    ro, rl = attention_reference(q, kv, seqlens, 0.08)
+    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, kv.shape[1])
+    for p in (None, plan):
+        out, lse = poisoned_out(q)
+        mla_attention(q, kv, seqlens, 0.08, out=out, lse=lse, plan=p)
+        check(out, lse, ro, rl, f"lens {lens} h_q {h_q} plan {'once' if p is not None else 'in the call'}")
+    longest = max(range(len(lens)), key=lambda b: lens[b])
+    assert int(plan[2 + 2 * longest]) >= 8, "the longest sequence was not split: the combine went untested"
+
+
 def test_attention_plan_made_once_serves_many_calls():
     """plan= (as FlashMLA's metadata): one plan from the plan op serves call
     after call with the same lengths (new q each time, as the layers of a

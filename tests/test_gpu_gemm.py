@@ -162,3 +162,19 @@ def test_stages_on_the_hopper_gemm_match_the_vendor_path(gemm_env, bs):
     projections.output(o_lat, wkv[:, nope:].transpose(1, 2), config.wo_weight, obuf, y)
     ov = bf(torch.einsum("bhr,hvr->bhv", o_lat.double(), wkv[:, nope:].double()))
     assert_task_rule(y, ref(ov.reshape(bs, H * v), config.wo_weight), "y")
+
+
+@pytest.mark.skipif(not mla_decode.kernels_usable("cuda"), reason=f"needs the GPU kernels: {mla_decode.backend('cuda')}")
+def test_stream_read_reads_and_refuses_what_it_cannot():
+    """The bare stream bench_projections measures stages against: it reads
+    any whole number of 16-byte pieces (here with a tail past the unrolled
+    loop), writes nothing the caller owns, and refuses with ValueError what
+    it cannot read as 16-byte pieces."""
+    buf = torch.randint(0, 255, (30 * 2**20 + 48,), dtype=torch.uint8, device="cuda")
+    before = buf.clone()
+    torch.ops.mla_decode.stream_read(buf)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, before)
+    for bad in (buf[1:17], buf[:24], buf.view(-1, 16)[:, :8]):
+        with pytest.raises(ValueError):
+            torch.ops.mla_decode.stream_read(bad)

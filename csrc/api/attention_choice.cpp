@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "../platform/switches.h"
 #include "attention_internal.h"
 #include "checks.h"
 #include "ops.h"
@@ -41,9 +42,8 @@ bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
 AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly) {
   if (!hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
   static const int forced = [] {
-    const char* s = std::getenv("MLA_DECODE_ATTN_KERNEL");
-    if (s == nullptr || *s == 0) return -1;
-    const std::string v(s);
+    const std::string& v = switches().attn_kernel;
+    if (v.empty()) return -1;
     if (v == "portable") return 0;
     if (v == "hopper") return 1;
     fail_value("MLA_DECODE_ATTN_KERNEL must be 'portable' or 'hopper', got '" + v + "'");
@@ -57,7 +57,7 @@ AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_th
 
 int portable_rows_per_block(int64_t rows) {
   static const int cap = [] {
-    const int v = env_int("MLA_DECODE_PORTABLE_ROWS");
+    const int v = switches().portable_rows;
     if (v != 0 && v != 16 && v != 32 && v != 64)
       fail_value("MLA_DECODE_PORTABLE_ROWS must be 16, 32 or 64, got " + num(int64_t{v}));
     return v == 0 ? 64 : v;
@@ -125,10 +125,16 @@ int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {
       .first;
 }
 
-std::vector<int64_t> attention_info(int64_t device, int64_t dv, int64_t rope) {
+AttentionFacts attention_info(int64_t device, int64_t dv, int64_t rope) {
   const detail::DeviceAttnInfo& i = detail::device_attn_info(static_cast<int>(device), dv, rope);
-  return {i.kernel.rows_per_block, i.kernel.tile,          i.kernel.threads, i.kernel.smem_bytes,
-          i.kernel.warp_size,      i.kernel.blocks_per_sm, i.sm_count,       static_cast<int64_t>(i.kind)};
+  return {.rows_per_block = i.kernel.rows_per_block,
+          .keys_per_tile = i.kernel.tile,
+          .threads = i.kernel.threads,
+          .smem_bytes = i.kernel.smem_bytes,
+          .warp_size = i.kernel.warp_size,
+          .blocks_per_sm = i.kernel.blocks_per_sm,
+          .sms = i.sm_count,
+          .hopper = i.kind == detail::AttnKernel::kHopper};
 }
 
 }  // namespace mla::api

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <utility>
 
+#include "../platform/switches.h"
 #include "attention_internal.h"
 #include "checks.h"
 #include "ops.h"
@@ -86,8 +87,7 @@ PlanParams plan_params(int64_t bs, int64_t s_q, int64_t h_q, int64_t capacity, c
   pp.tile = info.kernel.tile;
   pp.s_q = static_cast<int>(s_q);
   pp.max_len = static_cast<int>(capacity);
-  static const bool p0_only = env_is("MLA_DECODE_PLAN_P0", "1");
-  pp.p0_only = p0_only ? 1 : 0;
+  pp.p0_only = switches().plan_p0 ? 1 : 0;
   pp.no_split = split ? 0 : 1;
   return pp;
 }

@@ -3,6 +3,7 @@
 // pybind11.
 #include <torch/extension.h>
 
+#include "../platform/switches.h"
 #include "blas_lt.h"
 #include "ops.h"
 
@@ -22,9 +23,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("platform") = "cuda";
 #endif
   m.attr("archs") = MLA_BUILD_ARCHS;
-  m.def("attention_info", &mla::api::attention_info, py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
-        "[rows per block, keys per tile, threads, smem bytes, warp size, blocks per SM, SM count, kernel (0 portable, "
-        "1 hopper)] for value width dv and rope width rope inside the key (0: per-head rope keys)");
+  m.def(
+      "switches",
+      [] {
+        const mla::Switches& s = mla::switches();
+        py::dict d;
+        d["attn_kernel"] = s.attn_kernel;
+        d["portable_rows"] = s.portable_rows;
+        d["plan_p0"] = s.plan_p0;
+        d["tma"] = s.tma;
+        d["persist"] = s.persist;
+        d["attn_ctas"] = s.attn_ctas;
+        d["pdl"] = s.pdl;
+        d["gemm_mw"] = s.gemm_mw;
+        d["gemm_splits"] = s.gemm_splits;
+        d["gemm_group"] = s.gemm_group;
+        d["step_graph"] = s.step_graph;
+        d["step_graph_trace"] = s.step_graph_trace;
+        return d;
+      },
+      "the C++ side's environment switches as read once by this process (csrc/platform/switches.h)");
+  m.def(
+      "attention_info",
+      [](int64_t device, int64_t dv, int64_t rope) {
+        const mla::api::AttentionFacts f = mla::api::attention_info(device, dv, rope);
+        py::dict d;
+        d["rows_per_block"] = f.rows_per_block;
+        d["keys_per_tile"] = f.keys_per_tile;
+        d["threads"] = f.threads;
+        d["smem_bytes"] = f.smem_bytes;
+        d["warp_size"] = f.warp_size;
+        d["blocks_per_sm"] = f.blocks_per_sm;
+        d["sms"] = f.sms;
+        d["kernel"] = f.hopper ? "hopper" : "portable";
+        return d;
+      },
+      py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
+      "the attention kernel's facts by name (mla_decode._ext.AttentionInfo's fields) for value width dv and rope "
+      "width rope inside the key (0: per-head rope keys)");
   m.def("plan_target_parts", &mla::api::plan_target_parts, py::arg("device"), py::arg("s_q"), py::arg("h_q"),
         "the split planner's target parts per head block on `device` for s_q x h_q query rows");
   m.def("attention_bounded_register", &mla::api::attention_bounded_register, py::arg("kv"), py::arg("kpe"),

@@ -91,6 +91,10 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
                  const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
                  const c10::optional<at::Tensor>& kpe_out);
 
+// One read of t's bytes at the device's streaming rate (contiguous, 16-byte
+// pieces from a 16-byte boundary); implemented in ops_projections.cpp.
+void stream_read(const at::Tensor& t);
+
 // Drop the attention's bounded-map tables (their memory returns to the
 // allocator once the streams that used them are past those uses).
 void release_cached();
@@ -128,9 +132,13 @@ std::tuple<at::Tensor, int64_t> decode_step_keyed(const at::Tensor& x, const at:
                                                   c10::ArrayRef<int64_t> cfg, const at::Tensor& rope_cs, int64_t want,
                                                   const StepKey* prefix);
 
-// [rows per block, keys per tile, threads, dynamic smem bytes, warp size,
-//  blocks per SM, SM/CU count, kernel (0 portable, 1 hopper)] of the attention kernel on `device`
-// for value width dv and rope width rope inside the key (0: per-head rope keys).
-std::vector<int64_t> attention_info(int64_t device, int64_t dv = 512, int64_t rope = 64);
+// The facts of the attention kernel on `device` for value width dv and rope
+// width rope inside the key (0: per-head rope keys); Python receives them by
+// name (module.cpp), as mla_decode._ext.AttentionInfo.
+struct AttentionFacts {
+  int64_t rows_per_block, keys_per_tile, threads, smem_bytes, warp_size, blocks_per_sm, sms;
+  bool hopper;  // the Hopper wgmma kernel (else the portable tile-MMA one)
+};
+AttentionFacts attention_info(int64_t device, int64_t dv = 512, int64_t rope = 64);
 
 }  // namespace mla::api

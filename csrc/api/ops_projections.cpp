@@ -11,6 +11,7 @@
 #include "../kernels/projections/gemm.h"
 #include "../kernels/projections/query.h"
 #include "../kernels/projections/rope_append.h"
+#include "../kernels/projections/stream.h"
 #include "checks.h"
 #include "ops.h"
 #include "projection_ops.h"
@@ -298,6 +299,28 @@ void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Ten
   check_launch(launch_query_sm90(p, at::cuda::getCurrentCUDAStream().stream()), "query_fused launch");
 }
 
+// The bare stream of t's bytes (stream.h): one read of them at the device's
+// streaming rate, a full wave of blocks (the ceiling of a weight stage of
+// the same bytes, benchmarks/bench_projections.py).
+void stream_read(const at::Tensor& t) {
+  if (!t.is_cuda()) fail_value("stream_read: t must be on a GPU, got " + t.device().str());
+  check_contiguous(t, "t");
+  const int64_t nbytes = static_cast<int64_t>(t.nbytes());
+  if (nbytes == 0 || nbytes % 16 != 0 || offset16(t) != 0)
+    fail_value("stream_read: t must be a non-empty whole number of 16-byte pieces from a 16-byte boundary, got " +
+               num(nbytes) + " bytes at byte offset " + num(offset16(t)) + " from 16-byte alignment");
+  c10::cuda::CUDAGuard guard(t.device());
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const int blocks = props->multiProcessorCount * std::max(1, props->maxThreadsPerMultiProcessor / kStreamThreads);
+  at::Tensor sink = at::empty({1}, t.options().dtype(at::kInt));
+  StreamParams p{};
+  p.src = t.data_ptr();
+  p.n16 = nbytes / 16;
+  p.sink = reinterpret_cast<uint32_t*>(sink.data_ptr());
+  p.threads = static_cast<int64_t>(blocks) * kStreamThreads;
+  check_launch(launch_stream_read(p, blocks, at::cuda::getCurrentCUDAStream().stream()), "stream_read launch");
+}
+
 }  // namespace mla::api
 
 TORCH_LIBRARY_FRAGMENT(mla_decode, m) {
@@ -312,6 +335,7 @@ TORCH_LIBRARY_FRAGMENT(mla_decode, m) {
       "query_fused(Tensor q_lora, Tensor w_qu, Tensor w_uk, Tensor(a!) q_abs, Tensor(b!) q_pe, bool pdl=False, "
       "Tensor? kv_new=None, Tensor? seqlens=None, Tensor? rope_cs=None, Tensor(c!)? cache=None, "
       "Tensor(d!)? kpe_out=None) -> ()");
+  m.def("stream_read(Tensor t) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
@@ -319,4 +343,5 @@ TORCH_LIBRARY_IMPL(mla_decode, CUDA, m) {
   m.impl("gemm_nt", &mla::api::gemm_nt);
   m.impl("gemm_nt_config", &mla::api::gemm_nt_config);
   m.impl("query_fused", &mla::api::query_fused);
+  m.impl("stream_read", &mla::api::stream_read);
 }

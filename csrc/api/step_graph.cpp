@@ -19,6 +19,7 @@
 #include <string>
 
 #include "../kernels/attention/attention.h"
+#include "../platform/switches.h"
 #include "../platform/vendor.h"
 #include "checks.h"
 #include "ops.h"
@@ -88,10 +89,7 @@ std::vector<DeviceState>& devices = *new std::vector<DeviceState>();
 uint64_t tick = 0;  // steps run (replays, eager calls and captures), process-wide: the clock of Entry::used
                     // and of DeviceState::recent
 
-bool graphs_off() {
-  static const bool off = env_off("MLA_DECODE_STEP_GRAPH");
-  return off;
-}
+bool graphs_off() { return !switches().step_graph; }
 
 bool trace_captures() { return step_trace_level() >= 1; }
 
@@ -216,10 +214,7 @@ std::unique_ptr<Entry> capture(const StepKey& key, DeviceState& ds, const StepEn
 
 }  // namespace
 
-int step_trace_level() {
-  static const int level = env_int("MLA_DECODE_STEP_GRAPH_TRACE");
-  return level;
-}
+int step_trace_level() { return switches().step_graph_trace; }
 
 bool step_marks_begin() {
   if (step_trace_level() < 2 || call_marks.open) return false;

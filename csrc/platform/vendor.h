@@ -155,19 +155,6 @@ inline const char* launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, si
 }
 #endif
 
-// Environment switches (host side; callers read them once, into a static).
-// env_is: the variable is set to exactly `value`; env_off: set to "0";
-// env_int: its integer value, 0 when unset.
-inline bool env_is(const char* name, const char* value) {
-  const char* e = std::getenv(name);
-  return e != nullptr && std::strcmp(e, value) == 0;
-}
-inline bool env_off(const char* name) { return env_is(name, "0"); }
-inline int env_int(const char* name) {
-  const char* e = std::getenv(name);
-  return e == nullptr ? 0 : std::atoi(e);
-}
-
 #if defined(__CUDACC__) || defined(__HIP__)  // device code: kernel sources only
 // -------------------------------------------------------------- device side
 #if MLA_AMD

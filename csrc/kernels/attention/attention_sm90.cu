@@ -59,6 +59,7 @@
 #include "../../platform/copy.h"
 #include "../../platform/vendor.h"
 #include "../../platform/tma_sm90.h"
+#include "../../platform/switches.h"
 #include "../../platform/wgmma_sm90.h"
 #include "attention.h"
 #include "part.h"
@@ -1200,8 +1201,7 @@ bool encode_scores(CUtensorMap* map, const AttnParams& p) {
 // (cp.async for every load; measurements and tests).
 TmaMaps make_maps(const AttnParams& p) {
   TmaMaps m{};
-  static const bool off = env_off("MLA_DECODE_TMA");
-  if (off) return m;
+  if (!switches().tma) return m;
   // Q: rows of 64 query rows; columns past d (rope < 64) read as zeros, as the kernel needs
   m.use_q = p.rows >= 64 && encode_rows(&m.q, p.q, p.dv + p.rope, p.rows, p.bs, p.q_row_stride, p.q_batch_stride, 64)
                 ? 1
@@ -1251,10 +1251,9 @@ __global__ void build_bounded_maps_kernel(const __grid_constant__ CUtensorMap kv
 template <int kDv, bool kPH>
 const char* launch(const AttnParams& p_in, stream_t stream) {
   using T = PairTile<kDv>;
-  static const bool persist = !env_off("MLA_DECODE_PERSIST");
-  static const int cap = env_int("MLA_DECODE_ATTN_CTAS");  // (measurements: fewer persistent blocks)
+  const int cap = switches().attn_ctas;  // (measurements: fewer persistent blocks)
   AttnParams p = p_in;
-  if (!persist) p.ctas = 0;
+  if (!switches().persist) p.ctas = 0;
   if (cap > 0 && p.ctas > cap) p.ctas = cap;
   constexpr int kRB = kPH ? 32 : T::kM;
   const int64_t items = static_cast<int64_t>(p.max_parts) * ((p.rows + kRB - 1) / kRB);
@@ -1273,10 +1272,7 @@ constexpr const char* kSm90Shapes =
 
 }  // namespace
 
-bool sm90_pdl_enabled() {
-  static const bool on = !env_off("MLA_DECODE_PDL");
-  return on;
-}
+bool sm90_pdl_enabled() { return switches().pdl; }
 
 // The one list of value widths: dv 64 runs on the dv 128 instance (see the kernel).
 static bool sm90_dv_supported(int dv) { return dv == 64 || dv == 128 || dv == 256 || dv == 512; }

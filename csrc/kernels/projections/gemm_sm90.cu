@@ -27,6 +27,7 @@
 
 #include "../../platform/bf16.h"
 #include "../../platform/tma_sm90.h"
+#include "../../platform/switches.h"
 #include "../../platform/vendor.h"
 #include "../../platform/wgmma_sm90.h"
 #include "gemm.h"
@@ -389,8 +390,8 @@ const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* 
   const int kt = (k + 63) / 64;
   // measurement switches (benchmarks; unset in normal use): force the tile
   // width (MLA_DECODE_GEMM_MW = 1 or 2), the split count and the load group
-  static const int force_mw = env_int("MLA_DECODE_GEMM_MW"), force_s = env_int("MLA_DECODE_GEMM_SPLITS");
-  static const int force_group = env_int("MLA_DECODE_GEMM_GROUP");
+  const int force_mw = switches().gemm_mw, force_s = switches().gemm_splits;
+  const int force_group = switches().gemm_group;
   double best = -1.0;
   for (int mw : {2, 1}) {
     const bool two_ok = bm <= 128 && wide;
