@@ -203,6 +203,26 @@ def test_small_batch_long_contexts_split_and_merged(lens, h_q):
     assert int(plan[2 + 2 * longest]) >= 8, "the longest sequence was not split: the combine went untested"
 
 
+def test_large_batch_with_few_split_sequences_merged():
+    """A batch past one wave of the combine's warps (40 x 128 rows x 4
+    chunks, far above SMs x 32), where a few long sequences are split and
+    the rest are not: the combine's looped form, whose warps each take a
+    run of tasks and skip the unsplit sequences, must merge every split row
+    and leave the attention's own rows alone. NaN past every length."""
+    g = torch.Generator().manual_seed(7)
+    lens = [int(x) for x in torch.randint(1, 700, (40,), generator=g)]
+    lens[3], lens[17], lens[38] = 20000, 12289, 16385
+    q, kv, seqlens = make_case(lens, h_q=128, seed=40)
+    ro, rl = attention_reference(q, kv, seqlens, 0.08)
+    plan = torch.ops.mla_decode.plan(seqlens, 1, 128, kv.shape[1])
+    splits = [int(plan[2 + 2 * b]) for b in range(len(lens))]
+    assert max(splits) > 1 and min(splits) == 1, f"want split and unsplit sequences, got {splits}"
+    for p in (None, plan):
+        out, lse = poisoned_out(q)
+        mla_attention(q, kv, seqlens, 0.08, out=out, lse=lse, plan=p)
+        check(out, lse, ro, rl, f"plan {'once' if p is not None else 'in the call'}")
+
+
 def test_attention_plan_made_once_serves_many_calls():
     """plan= (as FlashMLA's metadata): one plan from the plan op serves call
     after call with the same lengths (new q each time, as the layers of a

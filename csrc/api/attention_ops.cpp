@@ -432,6 +432,7 @@ void enqueue_attention(const AttnCall& c) {
   cp.dv = static_cast<int>(dv);
   cp.f16 = f16;
   cp.pdl = info.kind == AttnKernel::kHopper && sm90_pdl_enabled();
+  cp.max_warps = info.sm_count * kCombineWarpsPerSm;
   check_launch(launch_combine(cp, stream), "combine launch");
 }
 

@@ -50,6 +50,7 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   cp.rows = static_cast<int>(s_q * h_q);
   cp.dv = static_cast<int>(dv);
   cp.f16 = false;
+  cp.max_warps = INT32_MAX;  // a warp per task: every sequence here is merged
   check_launch(launch_combine(cp, at::cuda::getCurrentCUDAStream().stream()), "combine launch");
   return {out, lse};
 }

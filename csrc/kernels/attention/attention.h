@@ -42,6 +42,10 @@ const char* launch_set_len(int32_t* slot, int v, int step, stream_t stream);  //
 const char* launch_zero_pair(int32_t* pair, bool pdl, stream_t stream);
 const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
+// CombineParams::max_warps per SM/CU for the attention's own combine (most
+// sequences may be unsplit: a small grid whose warps skip them, not a block
+// per row; about one wave of the combine's warps at its register use).
+constexpr int kCombineWarpsPerSm = 32;
 const char* launch_merge(const MergeParams& p, stream_t stream);  // (combine.cu)
 
 // Hopper variant (attention_sm90.cu, wgmma, the two warpgroups on alternate

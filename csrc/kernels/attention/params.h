@@ -93,6 +93,7 @@ struct CombineParams {
   float* lse;                 // [bs, h_q, s_q]
   int bs, s_q, h_q, rows, dv;
   bool f16;                   // o is fp16 (else bf16)
+  int max_warps;              // the grid's warps at most (> 0); past it each takes a run of (row, chunk) tasks
 };
 
 // Merge of N partial results of the same queries over disjoint key sets (the
