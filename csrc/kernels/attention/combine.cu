@@ -22,8 +22,7 @@ namespace {
 // warps, each a contiguous run of tasks that skips a sequence that was not
 // split (written by the attention) with one read, so that a large batch with
 // nothing to merge costs a wave of warps, not a block per four rows. (The
-// looped form on small batches, where the warp per task fits: +4.5 us at bs
-// 1 h_q 128 L 32769 on an H200, so it runs only where the grid is capped.)
+// looped form is slower where a warp per task fits: docs/not_kept.md.)
 constexpr int kCombineWarps = 4;
 constexpr int kCombineUnroll = 8;
 
