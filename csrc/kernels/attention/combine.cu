@@ -2,8 +2,6 @@
 // LSE into the output (the attention writes unsplit sequences itself).
 // Shared by the portable and the Hopper attention kernel. And the merge of N
 // whole partial results (decode context parallelism's ranks) by their LSE.
-#include <algorithm>
-
 #include "../../platform/bf16.h"
 #include "../../platform/vendor.h"
 
