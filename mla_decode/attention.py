@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._ext import kernels_built, require_kernels
+from .fp8 import FP8_DTYPES
 
 __all__ = ["mla_attention", "mla_combine", "attention_reference", "rope_table", "check_attention_shape",
            "splits_possible", "SUPPORTED_DV", "SUPPORTED_ROPE"]
@@ -59,7 +60,8 @@ def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:
 
 
 def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,
-                  out=None, lse=None, kpe=None, head_dim_v=DV, kpe_heads=None, plan=None, split=True):
+                  out=None, lse=None, kpe=None, head_dim_v=DV, kpe_heads=None, plan=None, split=True,
+                  kv_scale=None):
     """Split-KV absorbed attention on the GPU kernels.
 
     q: [bs, s_q, h_q, d] bf16 or fp16 with d = head_dim_v + rope (DeepSeek:
@@ -98,19 +100,43 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     fp32, natural log). A sequence of length 0 gives out = 0 and lse = -inf;
     a negative length reads as 0, and one past kv's capacity (its rows, or
     the block table's) is held to it: no row outside a sequence's own is read.
-    ``out``/``lse`` may be passed in (destination passing)."""
+    ``out``/``lse`` may be passed in (destination passing).
+    kv_scale: with an FP8 cache (kv in ``mla_decode.fp8.FP8_KV_DTYPE``:
+    e4m3fn on NVIDIA builds, e4m3fnuz on AMD; as ``mla_decode.fp8.
+    quantize_per_tensor`` writes it), the cache's per-tensor scale: every
+    stored value stands for value * kv_scale (required then; refused
+    otherwise). FP8 runs on the portable kernel (also on Hopper) with bf16 q,
+    d 576 / dv 512 and the keys used as stored (no rope_cs, kpe or
+    kpe_heads); a ``plan`` from the plan op is made for the bf16 kernel and is
+    refused where the two kernels differ (Hopper): pass none there."""
     check_attention_shape(q.shape[-1], head_dim_v)
     require_kernels(q.device)
+    kv_scale = _kv_scale(kv, kv_scale)
     if (out is None) != (lse is None):
         raise ValueError("pass both out and lse, or neither")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     if out is None:
         return torch.ops.mla_decode.attention(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                              kpe, int(head_dim_v), kpe_heads, plan, bool(split))
+                                              kpe, int(head_dim_v), kpe_heads, plan, bool(split), kv_scale)
     torch.ops.mla_decode.attention_out(q, kv, seqlens, block_table, rope_cs, float(softmax_scale), bool(causal),
-                                       out, lse, kpe, int(head_dim_v), kpe_heads, plan, bool(split))
+                                       out, lse, kpe, int(head_dim_v), kpe_heads, plan, bool(split), kv_scale)
     return out, lse
+
+
+def _kv_scale(kv, kv_scale):
+    """The op's kv_scale argument: the fp8 cache's scale (required), 1.0 otherwise (none may be given)."""
+    if getattr(kv, "dtype", None) in FP8_DTYPES:
+        if kv_scale is None:
+            raise ValueError(f"kv is an fp8 cache ({kv.dtype}): pass kv_scale, the per-tensor scale it was "
+                             "quantized with (mla_decode.fp8.quantize_per_tensor)")
+        s = float(kv_scale.item() if isinstance(kv_scale, torch.Tensor) else kv_scale)
+        if not (0.0 < s < float("inf")):
+            raise ValueError(f"kv_scale must be a positive finite number, got {s}")
+        return s
+    if kv_scale is not None:
+        raise ValueError(f"kv_scale applies to an fp8 cache; kv is {getattr(kv, 'dtype', type(kv).__name__)}")
+    return 1.0
 
 
 def mla_combine(o_part, lse_part):

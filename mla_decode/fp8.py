@@ -1,7 +1,8 @@
 """FP8 latent-cache formats for serving (issue 33): how rows are quantized,
-stored and appended, in PyTorch. No attention kernel reads these formats
-yet: this module is the formats' definition, the append op in PyTorch, and
-the dequantization that tests compare an FP8 attention against.
+stored and appended, in PyTorch: the formats' definition, the append op in
+PyTorch, and the dequantization that tests compare an FP8 attention
+against. The attention (``mla_attention(..., kv_scale=)``) reads the
+per-tensor format in ``FP8_KV_DTYPE``; no kernel reads the tiled one yet.
 
 Two formats, both with the latent row [c (512) | k_pe (64)] of DeepSeek's
 MLA:
@@ -29,10 +30,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_DTYPES", "TILED_ROW_BYTES", "fp8_max", "quantize_per_tensor", "dequantize_per_tensor",
+__all__ = ["FP8_DTYPES", "FP8_KV_DTYPE", "TILED_ROW_BYTES", "fp8_max", "quantize_per_tensor", "dequantize_per_tensor",
            "quantize_tiled", "dequantize_tiled", "fp8_append_paged"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# The per-tensor format the attention kernel reads (mla_attention's kv_scale):
+# the platform's e4m3, float8_e4m3fnuz on ROCm builds (MI300X's hardware
+# format), float8_e4m3fn elsewhere.
+FP8_KV_DTYPE = torch.float8_e4m3fnuz if getattr(torch.version, "hip", None) else torch.float8_e4m3fn
 LATENT, ROPE, TILE = 512, 64, 128
 TILES = LATENT // TILE
 TILED_ROW_BYTES = LATENT + 4 * TILES + 2 * ROPE  # 656

@@ -51,7 +51,8 @@ import warnings
 import torch
 
 from ._ext import require_kernels
-from .attention import check_attention_shape, check_paged_rows
+from .attention import _kv_scale, check_attention_shape, check_paged_rows
+from .fp8 import FP8_DTYPES, FP8_KV_DTYPE
 
 __all__ = ["get_mla_metadata", "flash_mla_with_kvcache"]
 
@@ -82,7 +83,8 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                           softmax_scale=None, causal=False, *, kpe_cache=None, check_block_table=False):
+                           softmax_scale=None, causal=False, *, kpe_cache=None, check_block_table=False,
+                           kv_scale=None):
     """q: [b, s_q, h_q, d] (d = head_dim_v + rope; DeepSeek 576);
     k_cache: [num_blocks, page_block_size, 1, d] (or [num_blocks,
     page_block_size, d]); block_table: [b, max_blocks] int32; cache_seqlens:
@@ -100,6 +102,11 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     checks the lengths (within [0, max_blocks * page_block_size]) and the
     used slots first and raises ValueError naming the first bad one (a host
     synchronization: a debugging mode, not for the hot path).
+    kv_scale (keyword; ours, FlashMLA's dense decode has no FP8): with
+    k_cache in ``mla_decode.fp8.FP8_KV_DTYPE`` (vLLM's per-tensor FP8 MLA
+    cache), its scale, as ``mla_attention``'s; bf16 q, d 576. Such a call
+    runs the portable kernel and plans its own split (the metadata is made
+    for the bf16 kernel).
 
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32)."""
     if q.dim() != 4:
@@ -107,8 +114,12 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     d = q.shape[-1]
     check_attention_shape(d, head_dim_v)
     require_kernels(q.device)
-    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
-        raise TypeError(f"q and k_cache must both be bfloat16 or both float16, got {q.dtype} and {k_cache.dtype}")
+    fp8 = k_cache.dtype in FP8_DTYPES
+    if fp8 and (q.dtype != torch.bfloat16 or k_cache.dtype != FP8_KV_DTYPE):
+        raise TypeError(f"an fp8 k_cache must be {FP8_KV_DTYPE} with bfloat16 q, got {k_cache.dtype} and {q.dtype}")
+    if not fp8 and (q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype):
+        raise TypeError(f"q and k_cache must both be bfloat16 or both float16 (or k_cache {FP8_KV_DTYPE} with "
+                        f"kv_scale), got {q.dtype} and {k_cache.dtype}")
     width = head_dim_v if kpe_cache is not None else d
     if k_cache.dim() == 4 and k_cache.shape[2] != 1:
         raise ValueError(f"k_cache must hold one KV head: [num_blocks, page_block_size, 1, {width}], "
@@ -132,6 +143,10 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                          ("block_table", "cache_seqlens", "k_cache"))
     args = (q, k_cache, cache_seqlens, block_table, None, float(softmax_scale), bool(causal), None, int(head_dim_v),
             kpe_cache)
+    if fp8:  # (the portable kernel's fp8 instance; it plans in the call)
+        return torch.ops.mla_decode.attention(*args, None, True, _kv_scale(k_cache, kv_scale))
+    if kv_scale is not None:
+        raise ValueError(f"kv_scale applies to an fp8 k_cache; k_cache is {k_cache.dtype}")
     if kpe_cache is None and head_dim_v == 512 and d == 576:  # the shape get_mla_metadata plans for
         try:  # its plan, with the lengths read now and a work counter of this call's own
             return torch.ops.mla_decode.attention(*args, tile_scheduler_metadata)

@@ -31,7 +31,8 @@ constexpr int kShapes = 20;  // shape_index's range
 // and dv is 128, 256 or 512 with the rope keys shared (any rope width;
 // on-the-fly RoPE only at width 64), else the portable tile-MMA kernel.
 // MLA_DECODE_ATTN_KERNEL=portable|hopper overrides (for measurements and
-// tests; read once); `hopper` applies to those shapes only.
+// tests; read once); `hopper` applies to those shapes only. An fp8 cache:
+// the portable kernel (its fp8 instance) on every device.
 // rope_in_key 0: per-head rope keys.
 bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
   if (rope_in_key == 0) return !rope_on_the_fly && sm90_per_head_supported(static_cast<int>(dv));
@@ -39,8 +40,8 @@ bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
          (!rope_on_the_fly || rope_in_key == kRope);
 }
 
-AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly) {
-  if (!hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
+AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, bool fp8) {
+  if (fp8 || !hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
   static const int forced = [] {
     const std::string& v = switches().attn_kernel;
     if (v.empty()) return -1;
@@ -74,27 +75,30 @@ int shape_index(int64_t dv, int64_t rope) {
   return i < 0 || j < 0 ? -1 : i * 5 + j;
 }
 
-const DeviceAttnInfo& device_attn_info(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, int64_t rows) {
+const DeviceAttnInfo& device_attn_info(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, int64_t rows,
+                                       bool fp8) {
   static std::mutex mu;
-  // per device: shape x RoPE on the fly x the portable head block (16, 32, 64 rows)
-  static std::array<std::array<DeviceAttnInfo, 6 * kShapes>, 64> cache{};
-  static std::array<std::array<bool, 6 * kShapes>, 64> ready{};
+  // per device: shape x RoPE on the fly x the portable head block (16, 32, 64 rows) x fp8 cache
+  static std::array<std::array<DeviceAttnInfo, 12 * kShapes>, 64> cache{};
+  static std::array<std::array<bool, 12 * kShapes>, 64> ready{};
   if (device < 0 || device >= 64) fail_value("device index out of range: " + num(int64_t{device}));
   const int shape = shape_index(dv, rope);
   if (shape < 0)
     fail_value("unsupported attention shape dv=" + num(dv) + ", rope=" + num(rope) + "; " + kAttnShapesSupported);
   if (rows <= 0) fail_value("attention: query rows per sequence must be positive, got " + num(rows));
   const int block_rows = portable_rows_per_block(rows);
-  const int si = 6 * shape + 3 * (rope_on_the_fly ? 1 : 0) + (block_rows == 16 ? 0 : block_rows == 32 ? 1 : 2);
+  const int si = 12 * shape + 6 * (fp8 ? 1 : 0) + 3 * (rope_on_the_fly ? 1 : 0) +
+                 (block_rows == 16 ? 0 : block_rows == 32 ? 1 : 2);
   std::lock_guard<std::mutex> lock(mu);
   if (!ready[device][si]) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly);
+    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly, fp8);
     check_launch(info.kind == AttnKernel::kHopper
                      ? attn_kernel_info_sm90(static_cast<int>(dv), rope == 0, &info.kernel)
-                     : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), block_rows, &info.kernel),
+                     : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), block_rows, fp8,
+                                                 &info.kernel),
                  "attention kernel setup");
     if (props->warpSize != info.kernel.warp_size)
       fail("the attention kernel was compiled for warp size " + num(int64_t{info.kernel.warp_size}) + " but device " +

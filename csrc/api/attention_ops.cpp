@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -30,6 +31,13 @@ using detail::shape_index;
 
 namespace {
 
+// The fp8 cache format the portable kernel reads: the platform's e4m3 (copy.h).
+#if defined(USE_ROCM)
+constexpr at::ScalarType kFp8Dtype = at::kFloat8_e4m3fnuz;
+#else
+constexpr at::ScalarType kFp8Dtype = at::kFloat8_e4m3fn;
+#endif
+
 struct KvLayout {
   int64_t row_stride, page_stride, page_size, capacity, bt_stride;
 };
@@ -39,7 +47,7 @@ KvLayout check_kv(const at::Tensor& kv, const c10::optional<at::Tensor>& block_t
                   const at::Device& dev, at::ScalarType dtype, int64_t width) {
   const std::string w = num(width);
   check_device(kv, "kv", dev);
-  check_dtype(kv, "kv (the same dtype as q)", dtype);
+  check_dtype(kv, dtype == kFp8Dtype ? "kv" : "kv (the same dtype as q, or the fp8 cache format)", dtype);
   check_last_dim_contiguous(kv, "kv");
   KvLayout l{};
   if (block_table.has_value()) {
@@ -154,6 +162,8 @@ struct AttnCall {
   KvLayout kl;
   int capturing;     // whether the current stream captures: 0 / 1, or -1 (not known: asked here)
   bool build_table;  // build the bounded-map table of an unregistered cache layout (the decode step's)
+  bool fp8 = false;       // kv holds e4m3 values standing for value * kv_scale (the portable kernel's fp8 instance)
+  double kv_scale = 1.0;  // fp8: the cache's per-tensor scale
 };
 
 void enqueue_attention(const AttnCall& c);
@@ -163,7 +173,7 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
                         double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
                         const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                         const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan_in,
-                        bool split, bool plan_fresh) {
+                        bool split, bool plan_fresh, double kv_scale) {
   // device
   if (!q.is_cuda()) fail_value("q must be on a GPU, got " + q.device().str());
   const at::Device dev = q.device();
@@ -194,7 +204,25 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
     fail_value("q must have its (s_q, h_q) dimensions laid out densely (stride(1) == h_q * stride(2)), got strides " +
                list_str(q.strides()));
   check_rows_aligned(q, "q");
-  const KvLayout kl = check_kv(kv, block_table, bs, dev, elt, key_width);
+  // an fp8 cache: the platform's e4m3 format, one scale for the whole cache (vLLM's layout)
+  const bool fp8 = kv.scalar_type() == kFp8Dtype;
+  if (!fp8 && (kv.scalar_type() == at::kFloat8_e4m3fn || kv.scalar_type() == at::kFloat8_e4m3fnuz ||
+               kv.scalar_type() == at::kFloat8_e5m2 || kv.scalar_type() == at::kFloat8_e5m2fnuz))
+    fail_type("an fp8 kv cache must be " + std::string(c10::toString(kFp8Dtype)) + " on this platform, got " +
+              c10::toString(kv.scalar_type()));
+  if (fp8) {
+    if (f16) fail_type("an fp8 kv cache takes bf16 q, got float16");
+    if (dv != detail::kDv || rope != detail::kRope || per_head || rope_cs.has_value() || kpe.has_value())
+      fail_value(std::string("an fp8 kv cache: ") + kAttnFp8Supported +
+                 ", the keys used as stored (no rope_cs, kpe or kpe_heads); got d=" + num(d) + ", head_dim_v=" +
+                 num(dv));
+    if (!(kv_scale > 0.0) || kv_scale == std::numeric_limits<double>::infinity())
+      fail_value("kv_scale must be a positive finite number (the fp8 cache's per-tensor scale), got " + num(kv_scale));
+  } else if (kv_scale != 1.0) {
+    fail_value("kv_scale applies to an fp8 kv cache (" + std::string(c10::toString(kFp8Dtype)) + "); kv is " +
+               c10::toString(kv.scalar_type()));
+  }
+  const KvLayout kl = check_kv(kv, block_table, bs, dev, fp8 ? kFp8Dtype : elt, key_width);
   check_shape(seqlens, "seqlens", {bs}, "[bs]");
   check_contiguous(seqlens, "seqlens");
   check_shape(out, "out", {bs, s_q, h_q, dv}, ("[bs, s_q, h_q, " + num(dv) + "]").c_str());
@@ -251,7 +279,8 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
                      .kpe = kpe, .kpe_heads = kpe_heads, .plan_in = plan_in, .out = out, .lse = lse,
                      .softmax_scale = softmax_scale, .causal = causal, .split = split, .plan_fresh = plan_fresh,
                      .f16 = f16, .per_head = per_head, .bs = bs, .s_q = s_q, .h_q = h_q, .dv = dv, .rope = rope,
-                     .rope_in_key = rope_in_key, .kl = kl, .capturing = -1, .build_table = false});
+                     .rope_in_key = rope_in_key, .kl = kl, .capturing = -1, .build_table = false, .fp8 = fp8,
+                     .kv_scale = kv_scale});
 }
 
 // The split plan (made here or passed in), the partials' workspaces, the launches: rope scores, attention, combine.
@@ -271,7 +300,7 @@ void enqueue_attention(const AttnCall& c) {
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
   const int64_t rows = s_q * h_q;
-  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value(), rows);
+  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value(), rows, c.fp8);
   auto stream = at::cuda::getCurrentCUDAStream(device).stream();
   // the split plan: made here (the planner launch), or passed in from the
   // plan op (planned beforehand, once for every call with these lengths)
@@ -286,7 +315,7 @@ void enqueue_attention(const AttnCall& c) {
         pinfo.kernel.blocks_per_sm != info.kernel.blocks_per_sm)
       fail_value("plan: the plan op plans for the kernel of dv 512 with 64 rope columns in the key; this call "
                  "(dv=" + num(dv) + ", rope in key=" + num(rope_in_key) + ", rope_cs " +
-                 (rope_cs.has_value() ? "given" : "none") +
+                 (rope_cs.has_value() ? "given" : "none") + (c.fp8 ? ", an fp8 cache" : "") +
                  ") runs a kernel that splits the work differently (tile, rows per block or blocks per SM): pass no plan");
     check_device(pt, "plan", dev);
     check_dtype(pt, "plan", at::kInt);
@@ -390,7 +419,9 @@ void enqueue_attention(const AttnCall& c) {
   ap.rs_stride = rs_stride;
   ap.dv = static_cast<int>(dv);
   ap.rope = static_cast<int>(rope_in_key);
-  ap.scale_log2 = static_cast<float>(c.softmax_scale * 1.4426950408889634);
+  ap.scale_log2 = static_cast<float>(c.softmax_scale * (c.fp8 ? c.kv_scale : 1.0) * 1.4426950408889634);
+  ap.kv_fp8 = c.fp8;
+  ap.o_scale = static_cast<float>(c.fp8 ? c.kv_scale : 1.0);
   ap.causal = c.causal && s_q > 1;
   ap.f16 = f16;
   if (info.kind == AttnKernel::kHopper && !block_table.has_value() && !per_head) {
@@ -443,9 +474,9 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
                    const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                    const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan,
-                   bool split) {
+                   bool split, double kv_scale) {
   attention_out_impl(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe, head_dim_v,
-                     kpe_heads, plan, split, false);
+                     kpe_heads, plan, split, false, kv_scale);
 }
 
 void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens, const at::Tensor& rope_cs,
@@ -466,14 +497,14 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
                                              bool causal, const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                                              const c10::optional<at::Tensor>& kpe_heads,
-                                             const c10::optional<at::Tensor>& plan, bool split) {
+                                             const c10::optional<at::Tensor>& plan, bool split, double kv_scale) {
   if (q.dim() != 4) fail_value("q must have shape [bs, s_q, h_q, d], got " + shape_str(q));
   if (shape_index(head_dim_v, 0) < 0)
     fail_value("unsupported head_dim_v=" + num(head_dim_v) + "; " + kAttnShapesSupported);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), head_dim_v}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   attention_out(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, out, lse, kpe, head_dim_v, kpe_heads,
-                plan, split);
+                plan, split, kv_scale);
   return {out, lse};
 }
 

@@ -21,7 +21,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
                    double softmax_scale, bool causal, at::Tensor& out, at::Tensor& lse,
                    const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                    const c10::optional<at::Tensor>& kpe_heads, const c10::optional<at::Tensor>& plan,
-                   bool split = true);
+                   bool split = true, double kv_scale = 1.0);
 // The decode step's attention (step.cpp): attention_out with `plan` made for
 // this very call by the step's planner (the kernel reads each part's length
 // from it and takes its work from the plan's counter), keys rotated on the
@@ -41,7 +41,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
                                              const c10::optional<at::Tensor>& rope_cs, double softmax_scale,
                                              bool causal, const c10::optional<at::Tensor>& kpe, int64_t head_dim_v,
                                              const c10::optional<at::Tensor>& kpe_heads,
-                                             const c10::optional<at::Tensor>& plan, bool split = true);
+                                             const c10::optional<at::Tensor>& plan, bool split = true,
+                                             double kv_scale = 1.0);
 
 // The split plan (csrc/kernels/attention/plan.h) the attention op would use
 // for these lengths (dv 512, 64 rope columns in the key, used as stored),

@@ -10,11 +10,11 @@ TORCH_LIBRARY(mla_decode, m) {
   m.def(
       "attention(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
       "float softmax_scale, bool causal, Tensor? kpe=None, int head_dim_v=512, Tensor? kpe_heads=None, "
-      "Tensor? plan=None, bool split=True) -> (Tensor, Tensor)");
+      "Tensor? plan=None, bool split=True, float kv_scale=1.0) -> (Tensor, Tensor)");
   m.def(
       "attention_out(Tensor q, Tensor kv, Tensor seqlens, Tensor? block_table, Tensor? rope_cs, "
       "float softmax_scale, bool causal, Tensor(a!) out, Tensor(b!) lse, Tensor? kpe=None, int head_dim_v=512, "
-      "Tensor? kpe_heads=None, Tensor? plan=None, bool split=True) -> ()");
+      "Tensor? kpe_heads=None, Tensor? plan=None, bool split=True, float kv_scale=1.0) -> ()");
   m.def("combine(Tensor o_part, Tensor lse_part) -> (Tensor, Tensor)");
   m.def("merge_states(Tensor outs, Tensor lses) -> (Tensor, Tensor)");
   m.def("plan(Tensor seqlens, int s_q, int h_q, int capacity, bool split=True) -> Tensor");

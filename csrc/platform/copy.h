@@ -60,3 +60,46 @@ MLA_DEVICE void copy_wait() {
 }
 
 }  // namespace mla
+
+// FP8 latent caches (per-tensor scale): 8 e4m3 values read into registers
+// as one 8-byte load (0 where !valid), later widened to 8 bf16 values (16
+// bytes) in shared memory. Exact: every e4m3 value is a bf16 value. The
+// format is the platform's: float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD
+// gfx942 (its hardware's FP8). The split lets the load's latency pass under
+// other work before the widening needs the bytes.
+MLA_DEVICE uint2 load_fp8x8(const void* gmem_src, bool valid) {
+  uint2 v = make_uint2(0u, 0u);
+  if (valid) v = *reinterpret_cast<const uint2*>(gmem_src);
+  return v;
+}
+
+// Four e4m3 values (a 32-bit word, lowest byte first) -> two bf16 pairs.
+MLA_DEVICE void fp8x4_to_bf16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if MLA_NVIDIA
+  uint32_t h0, h1;  // f16x2 (every e4m3 value is an f16 normal or zero)
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h0) : "h"(static_cast<unsigned short>(w & 0xffffu)));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h1) : "h"(static_cast<unsigned short>(w >> 16)));
+  float f0, f1, f2, f3;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f0) : "h"(static_cast<unsigned short>(h0 & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f1) : "h"(static_cast<unsigned short>(h0 >> 16)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f2) : "h"(static_cast<unsigned short>(h1 & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f3) : "h"(static_cast<unsigned short>(h1 >> 16)));
+  // (exact in bf16: the upper halves of the floats)
+  lo = __byte_perm(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
+  hi = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
+#else
+  using v2f = __attribute__((ext_vector_type(2))) float;
+  const v2f a = __builtin_amdgcn_cvt_pk_f32_fp8(static_cast<int>(w), false);
+  const v2f b = __builtin_amdgcn_cvt_pk_f32_fp8(static_cast<int>(w), true);
+  lo = (__builtin_bit_cast(uint32_t, a.x) >> 16) | (__builtin_bit_cast(uint32_t, a.y) & 0xffff0000u);
+  hi = (__builtin_bit_cast(uint32_t, b.x) >> 16) | (__builtin_bit_cast(uint32_t, b.y) & 0xffff0000u);
+#endif
+}
+
+// The 8 values of load_fp8x8 as 8 bf16 values at smem_dst (16 bytes, aligned).
+MLA_DEVICE void store_fp8x8_as_bf16(void* smem_dst, uint2 v) {
+  uint4 o;
+  fp8x4_to_bf16x4(v.x, o.x, o.y);
+  fp8x4_to_bf16x4(v.y, o.z, o.w);
+  *reinterpret_cast<uint4*>(smem_dst) = o;
+}

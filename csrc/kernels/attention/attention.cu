@@ -212,6 +212,42 @@ MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem
   }
 }
 
+// FP8 caches (kv_fp8): the key rows of tile j as e4m3 bytes, into registers
+// (fetch_tile_fp8: 8 values per chunk, rows past the length and padding
+// columns 0), then widened to bf16 in the ring slot (store_tile_fp8), each
+// thread the same row and chunks as load_tile's. Strides are in elements,
+// which are bytes here.
+template <typename T>
+MLA_DEVICE void fetch_tile_fp8(const AttnParams& p, const Part& pt, int j, uint2 (&raw)[T::kLdSteps], int tid) {
+  const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr, t = (pt.tile_begin + j) * T::kBN + r;
+  const bool row_ok = t < pt.L;
+  const uint8_t* kv8 = reinterpret_cast<const uint8_t*>(p.kv);
+  const uint8_t* row = kv8;
+  if (row_ok) {
+    const int64_t page = p.block_table == nullptr
+                             ? pt.b
+                             : page_id(p.block_table, pt.b * p.block_table_stride + t / p.page_size, p.num_pages);
+    row = kv8 + page * p.kv_page_stride + (p.block_table == nullptr ? t : t % p.page_size) * p.kv_row_stride;
+  }
+#pragma unroll
+  for (int k = 0; k < T::kLdSteps; ++k) {
+    const int ch = lr + k * T::kLdTpr;
+    raw[k] = load_fp8x8(row + ch * 8, row_ok && ch < T::kChunksPerRow);
+  }
+}
+
+template <typename T>
+MLA_DEVICE void store_tile_fp8(const Smem<T>& sm, int j, const uint2 (&raw)[T::kLdSteps], int tid) {
+  const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr;
+  bf16_t* dst = sm.kv + ((j % T::kStages) * T::kBN + r) * T::kLd;
+#pragma unroll
+  for (int k = 0; k < T::kLdSteps; ++k) {
+    const int ch = lr + k * T::kLdTpr;
+    if (T::kChunksPadded % T::kLdTpr != 0 && ch >= T::kChunksPadded) break;
+    store_fp8x8_as_bf16(dst + ch * 8, raw[k]);
+  }
+}
+
 // This warp's Q slice of the scores grid, straight from memory into registers.
 template <typename T>
 MLA_DEVICE void load_q(const AttnParams& p, int b, int warp, mma::FragA (&qf)[T::kSMT][T::kSKS]) {
@@ -420,8 +456,11 @@ MLA_DEVICE void write_out(const AttnParams& p, const Part& pt, const mma::FragC 
 }
 
 // kF16: q, kv and o hold fp16 (else bf16).
-template <typename T, bool kF16>
+// kFp8: kv holds e4m3 (copy.h's format), q bf16; its per-tensor scale is
+// in p.scale_log2 (scores) and p.o_scale (the output).
+template <typename T, bool kF16, bool kFp8>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(const AttnParams p) {
+  static_assert(!kFp8 || (!kF16 && !T::kHeadRope), "fp8 caches: bf16 q and the rope keys in the latent row");
   extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
   const Smem<T> sm(smem);
 
@@ -434,8 +473,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   // keys first: the first tiles are in flight while Q is read
 #pragma unroll
   for (int j = 0; j < T::kStages - 1; ++j) {
-    if (j < ntiles) load_tile<T>(p, pt, j, sm, tid);
-    copy_commit();
+    if constexpr (kFp8) {
+      uint2 raw[T::kLdSteps];
+      if (j < ntiles) {
+        fetch_tile_fp8<T>(p, pt, j, raw, tid);
+        store_tile_fp8<T>(sm, j, raw, tid);
+      }
+    } else {
+      if (j < ntiles) load_tile<T>(p, pt, j, sm, tid);
+      copy_commit();
+    }
   }
   mma::FragA qf[T::kSMT][T::kSKS];
   load_q<T>(p, pt.b, warp, qf);
@@ -453,8 +500,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   for (int j = 0; j < ntiles; ++j) {
     copy_wait<T::kStages - 2>();
     sync_threads();  // tile j landed for everyone; the slot of tile j-1 is free
-    if (j + T::kStages - 1 < ntiles) load_tile<T>(p, pt, j + T::kStages - 1, sm, tid);
-    copy_commit();
+    const bool refill = j + T::kStages - 1 < ntiles;
+    uint2 raw[kFp8 ? T::kLdSteps : 1];  // (fp8: the refill's bytes, widened into its slot after the scores)
+    if constexpr (kFp8) {
+      if (refill) fetch_tile_fp8<T>(p, pt, j + T::kStages - 1, raw, tid);
+    } else {
+      if (refill) load_tile<T>(p, pt, j + T::kStages - 1, sm, tid);
+      copy_commit();
+    }
 
     const int slot = j % T::kStages, key0 = (pt.tile_begin + j) * T::kBN;
     bf16_t* kt = sm.kv + slot * T::kBN * T::kLd;
@@ -465,6 +518,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
       }
     }
     scores<T, kF16>(qf, kt, sm.s, warp, lane);
+    if constexpr (kFp8) {
+      if (refill) store_tile_fp8<T>(sm, j + T::kStages - 1, raw, tid);
+    }
     sync_threads();
     softmax<T, kF16>(sm.s, sm.rs + slot * T::kM * T::kRsLd, p.scale_log2, key0, limit, st, sm.p, sm.row, tid);
     sync_threads();
@@ -477,7 +533,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   if (tid % T::kSmLanes == 0) {
     constexpr float kLn2 = 0.69314718055994531f;
     const float lse = st.l > 0.f ? (st.m + fast_log2(st.l)) * kLn2 : neg_inf();
-    sm.row[srow] = st.l > 0.f ? 1.f / st.l : 0.f;
+    sm.row[srow] = st.l > 0.f ? (kFp8 ? p.o_scale : 1.f) / st.l : 0.f;  // (fp8: the output's share of the scale)
     const int r = block_x() * T::kM + srow;
     if (r < p.rows) {
       if (pt.nsplit == 1)
@@ -504,6 +560,9 @@ const char* const kAttnShapesSupported =
     "the last `rope` columns of the shared latent row (head dim d = dv + rope) or per-head rope keys "
     "[..., h_q, rope] beside a dv-wide latent cache";
 
+const char* const kAttnFp8Supported =
+    "fp8 caches: dv 512 with the 64 rope columns in the latent row (d 576), bf16 q";
+
 bool attn_shape_supported(int dv, int rope) {
   switch (dv * 1000 + rope) {
 #define MLA_CASE(DV, R) case DV * 1000 + R:
@@ -517,17 +576,35 @@ bool attn_shape_supported(int dv, int rope) {
 
 namespace {
 
+// The fp8 instances: bf16 q, the 576-wide key of dv 512 with its rope.
 template <typename T>
-const char* kernel_info(AttnKernelInfo* info) {
-  if (const char* e = set_max_dynamic_smem(attention_kernel<T, false>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_kernel<T, true>, T::kSmem)) return e;
+constexpr bool kFp8Instance = T::kD == 576 && T::kDv == 512;
+
+template <typename T>
+const char* kernel_info(AttnKernelInfo* info, bool fp8) {
+  if (fp8) {
+    if constexpr (kFp8Instance<T>) {
+      if (const char* e = set_max_dynamic_smem(attention_kernel<T, false, true>, T::kSmem)) return e;
+      info->rows_per_block = T::kM;
+      info->tile = T::kBN;
+      info->threads = T::kThreads;
+      info->smem_bytes = T::kSmem;
+      info->warp_size = kWarpSize;
+      info->blocks_per_sm = max_active_blocks(attention_kernel<T, false, true>, T::kThreads, T::kSmem);
+      if (info->blocks_per_sm <= 0) return "attention kernel (fp8) cannot be resident on this device (occupancy 0)";
+      return nullptr;
+    }
+    return kAttnFp8Supported;
+  }
+  if (const char* e = set_max_dynamic_smem(attention_kernel<T, false, false>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_kernel<T, true, false>, T::kSmem)) return e;
   info->rows_per_block = T::kM;
   info->tile = T::kBN;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  info->blocks_per_sm = std::min(max_active_blocks(attention_kernel<T, false>, T::kThreads, T::kSmem),
-                                 max_active_blocks(attention_kernel<T, true>, T::kThreads, T::kSmem));
+  info->blocks_per_sm = std::min(max_active_blocks(attention_kernel<T, false, false>, T::kThreads, T::kSmem),
+                                 max_active_blocks(attention_kernel<T, true, false>, T::kThreads, T::kSmem));
   if (info->blocks_per_sm <= 0) return "attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }
@@ -539,19 +616,28 @@ const char* launch_tile(const AttnParams& p, stream_t stream) {
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention: on-the-fly key RoPE is bf16 only";
   const int head_blocks = (p.rows + T::kM - 1) / T::kM;
   dim3 grid(head_blocks, p.max_parts);
+  if (p.kv_fp8) {
+    if constexpr (kFp8Instance<T>) {
+      if (p.f16 || p.rope_cs != nullptr || p.kpe != nullptr)
+        return "launch_attention: fp8 caches take bf16 q, without on-the-fly RoPE or separate rope keys";
+      attention_kernel<T, false, true><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+      return last_launch_error();
+    }
+    return kAttnFp8Supported;
+  }
   if (p.f16)
-    attention_kernel<T, true><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+    attention_kernel<T, true, false><<<grid, T::kThreads, T::kSmem, stream>>>(p);
   else
-    attention_kernel<T, false><<<grid, T::kThreads, T::kSmem, stream>>>(p);
+    attention_kernel<T, false, false><<<grid, T::kThreads, T::kSmem, stream>>>(p);
   return last_launch_error();
 }
 
 template <int kD, int kDv>
-const char* info_rows(int rows_per_block, AttnKernelInfo* info) {
+const char* info_rows(int rows_per_block, bool fp8, AttnKernelInfo* info) {
   switch (rows_per_block) {
-    case 16: return kernel_info<TileFor<kD, kDv, 16>>(info);
-    case 32: return kernel_info<TileFor<kD, kDv, 32>>(info);
-    case 64: return kernel_info<TileFor<kD, kDv, 64>>(info);
+    case 16: return kernel_info<TileFor<kD, kDv, 16>>(info, fp8);
+    case 32: return kernel_info<TileFor<kD, kDv, 32>>(info, fp8);
+    case 64: return kernel_info<TileFor<kD, kDv, 64>>(info, fp8);
     default: return "attention: the portable kernel's head block is 16, 32 or 64 rows";
   }
 }
@@ -568,11 +654,11 @@ const char* launch_rows(const AttnParams& p, int rows_per_block, stream_t stream
 
 }  // namespace
 
-const char* attn_kernel_info_portable(int dv, int rope, int rows_per_block, AttnKernelInfo* info) {
+const char* attn_kernel_info_portable(int dv, int rope, int rows_per_block, bool fp8, AttnKernelInfo* info) {
   switch (dv * 1000 + rope) {
 #define MLA_CASE(DV, R) \
   case DV * 1000 + R:   \
-    return info_rows<DV + R, DV>(rows_per_block, info);
+    return info_rows<DV + R, DV>(rows_per_block, fp8, info);
     MLA_ATTN_SHAPES(MLA_CASE)
 #undef MLA_CASE
     default:

@@ -28,7 +28,9 @@ struct AttnKernelInfo {
 // kAttnShapesSupported in the message.
 extern const char* const kAttnShapesSupported;
 bool attn_shape_supported(int dv, int rope);
-const char* attn_kernel_info_portable(int dv, int rope, int rows_per_block, AttnKernelInfo* info);
+// fp8: the instance that reads an fp8 cache (AttnParams::kv_fp8; kAttnFp8Supported lists its shapes).
+const char* attn_kernel_info_portable(int dv, int rope, int rows_per_block, bool fp8, AttnKernelInfo* info);
+extern const char* const kAttnFp8Supported;
 const char* launch_attention_portable(const AttnParams& p, int rows_per_block, stream_t stream);
 
 // Launched around either attention kernel: the split planner before it

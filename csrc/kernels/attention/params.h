@@ -65,6 +65,10 @@ struct AttnParams {
   int bmaps_len;
   bool causal;                // s_q > 1: query i sees positions < L - (s_q - 1 - i)
   bool f16;                   // q, kv, kpe and o hold fp16 (else bf16); on-the-fly RoPE is bf16 only
+  bool kv_fp8;                // kv holds e4m3 values (float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD) that
+                              //   stand for value * scale (portable kernel; bf16 q, d 576, no rope_cs / kpe):
+                              //   scale_log2 carries the scale, and o_scale multiplies the output
+  float o_scale;              // kv_fp8: the cache's per-tensor scale (unused otherwise)
 };
 
 // Per-head rope keys (MHA2MLA): out[b, r, t] = q_pe[b, r] . k_pe[b, t, h(r)]

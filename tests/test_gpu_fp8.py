@@ -1,0 +1,122 @@
+"""An FP8 latent cache with one scale per tensor (vLLM's layout; e4m3fn on
+NVIDIA, e4m3fnuz on AMD) in the attention and the serving API: out and lse
+against the float64 (or float32) reference on the dequantized cache, NaN in
+every row past a length and in unused pages, invalid ids in unused
+block-table slots, variable lengths, s_q 1-4 causal, h_q 16-128, pages of
+1-64 rows, under a CUDA graph with lengths and block tables changed in place,
+and rows appended by fp8_append_paged. Bound: the bf16 path's (check): the
+kernel multiplies the e4m3 values themselves (exact in bf16) and applies the
+scale in fp32."""
+
+import pytest
+import torch
+
+from mla_decode import attention_reference, flash_mla_with_kvcache, get_mla_metadata, mla_attention, rope_table
+from mla_decode.fp8 import FP8_KV_DTYPE, dequantize_per_tensor, fp8_append_paged, quantize_per_tensor
+
+from conftest import needs_gpu
+from test_gpu_attention import check, make_case, make_paged, poisoned_out
+from test_gpu_serving import varlen
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+
+KV_SCALE = 0.0125  # randn values up to ~4.5 -> up to ~360 of e4m3's 448 (240 for fnuz: saturates a few)
+
+
+def quant(x):
+    return quantize_per_tensor(x, KV_SCALE, FP8_KV_DTYPE)
+
+
+def deq(x8):
+    return dequantize_per_tensor(x8, KV_SCALE, torch.float32)
+
+
+@pytest.mark.parametrize("h_q,s_q", [(128, 1), (64, 2), (16, 1), (32, 4), (24, 3)])
+def test_fp8_dense_variable_lengths(h_q, s_q):
+    lens = [1, 700, 4097, 63, 0, 2049]
+    q, kv, seqlens = make_case(lens, h_q=h_q, s_q=s_q, seed=h_q + s_q)  # NaN past every length
+    kv8 = quant(kv)
+    causal = s_q > 1
+    ro, rl = attention_reference(q, deq(kv8), seqlens, 0.08, causal=causal)
+    for split in (True, False):
+        out, lse = poisoned_out(q)
+        mla_attention(q, kv8, seqlens, 0.08, causal=causal, out=out, lse=lse, split=split, kv_scale=KV_SCALE)
+        check(out, lse, ro, rl, f"fp8 h_q {h_q} s_q {s_q} split {split}")
+
+
+def test_fp8_long_context_split_and_merged():
+    lens = [32769, 1, 8193]
+    q, kv, seqlens = make_case(lens, h_q=128, seed=9)
+    kv8 = quant(kv)
+    ro, rl = attention_reference(q, deq(kv8), seqlens, 0.06)
+    out, lse = mla_attention(q, kv8, seqlens, 0.06, kv_scale=KV_SCALE)
+    check(out, lse, ro, rl, "fp8 long contexts")
+
+
+@pytest.mark.parametrize("block_size,h_q,s_q", [(64, 128, 1), (16, 64, 2), (1, 128, 1), (32, 16, 4)])
+def test_fp8_serving_paged(block_size, h_q, s_q):
+    lens = varlen(12, 2048, s_q, seed=block_size + h_q)
+    q, pages, table, seqlens = make_paged(lens, block_size, h_q=h_q, s_q=s_q, seed=block_size * 3 + s_q)
+    pages8 = quant(pages)  # (NaN pages stay NaN)
+    meta, splits = get_mla_metadata(seqlens, s_q * h_q, 1)
+    out, lse = flash_mla_with_kvcache(q, pages8.unsqueeze(2), table, seqlens, 512, meta, splits, causal=s_q > 1,
+                                      kv_scale=KV_SCALE)
+    ro, rl = attention_reference(q, deq(pages8), seqlens, 576 ** -0.5, block_table=table, causal=s_q > 1,
+                                 dtype=torch.float32)
+    check(out, lse, ro.double(), rl.double(), f"fp8 serving block {block_size} h_q {h_q} s_q {s_q}")
+
+
+def test_fp8_under_a_cuda_graph_with_lengths_and_tables_changed_in_place():
+    lens = [300, 1000, 64, 2000]
+    q, pages, table, seqlens = make_paged(lens, 16, h_q=64, seed=3)
+    pages8 = quant(pages)
+    out, lse = poisoned_out(q)
+    mla_attention(q, pages8, seqlens, 0.07, block_table=table, out=out, lse=lse, kv_scale=KV_SCALE)  # (warm-up)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_attention(q, pages8, seqlens, 0.07, block_table=table, out=out, lse=lse, kv_scale=KV_SCALE)
+    for new_lens, perm in (([1000, 300, 50, 1999], [1, 0, 2, 3]), ([1, 17, 64, 2000], [0, 1, 2, 3])):
+        seqlens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        table.copy_(table[torch.tensor(perm, device=table.device)].clone())
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = attention_reference(q, deq(pages8), seqlens, 0.07, block_table=table)
+        check(out, lse, ro, rl, f"fp8 graph replay lens {new_lens}")
+
+
+def test_fp8_rows_appended_by_fp8_append_paged():
+    lens = [40, 129, 7]
+    q, pages, table, seqlens = make_paged([L + 1 for L in lens], 16, h_q=32, seed=21)
+    pages8 = quant(pages)
+    new_rows = torch.randn(len(lens), 576, device="cuda")
+    fp8_append_paged(pages8, table, torch.tensor(lens), new_rows, k_scale=KV_SCALE)  # position L of each
+    ro, rl = attention_reference(q, deq(pages8), seqlens, 0.09, block_table=table)
+    out, lse = mla_attention(q, pages8, seqlens, 0.09, block_table=table, kv_scale=KV_SCALE)
+    check(out, lse, ro, rl, "fp8 after an append")
+    # the appended rows are what the cache holds for them: the last key of each sequence is the quantized row
+    for b, L in enumerate(lens):
+        pid, r = table[b, L // 16].item(), L % 16
+        assert torch.equal(pages8[pid, r].view(torch.uint8), quant(new_rows[b]).view(torch.uint8))
+
+
+def test_fp8_refusals():
+    q, kv, seqlens = make_case([100, 5], h_q=16, seed=1)
+    kv8 = quant(kv)
+    with pytest.raises(ValueError, match="kv_scale"):
+        mla_attention(q, kv8, seqlens, 0.1)  # an fp8 cache without its scale
+    with pytest.raises(ValueError, match="kv_scale"):
+        mla_attention(q, kv, seqlens, 0.1, kv_scale=0.5)  # a scale for a bf16 cache
+    with pytest.raises(ValueError, match="kv_scale"):
+        torch.ops.mla_decode.attention(q, kv, seqlens, None, None, 0.1, False, None, 512, None, None, True, 0.5)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            mla_attention(q, kv8, seqlens, 0.1, kv_scale=bad)
+    with pytest.raises(TypeError, match="bf16|bfloat16"):
+        mla_attention(q.half(), kv8, seqlens, 0.1, kv_scale=0.5)
+    with pytest.raises(ValueError, match="as stored|rope_cs"):
+        mla_attention(q, kv8, seqlens, 0.1, kv_scale=0.5, rope_cs=rope_table(kv.shape[1], device="cuda"))
+    other = torch.float8_e4m3fnuz if FP8_KV_DTYPE == torch.float8_e4m3fn else torch.float8_e4m3fn
+    with pytest.raises(TypeError):
+        mla_attention(q, kv.to(other), seqlens, 0.1, kv_scale=0.5)  # not this platform's format
