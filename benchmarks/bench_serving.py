@@ -3,7 +3,10 @@ b=128, one KV head, h_q in 16..128, s_q 1 and 2, variable lengths
 (normal(mean, mean/2), at least s_q) with mean 4096, 8192, 16384, paged cache
 (block 64; 16 and 1 for the block-size comparison at h_q=128, s_q=1).
 
-    python benchmarks/bench_serving.py [--means 4096 8192 16384] [--heads ...] [--dtype bf16|fp16] [--json FILE]
+    python benchmarks/bench_serving.py [--means 4096 8192 16384] [--heads ...] [--dtype bf16|fp16|fp8] [--json FILE]
+
+--dtype fp8: the cache in mla_decode.fp8.FP8_KV_DTYPE with one scale
+(kv_scale), q bf16; its bytes counted at one per cache element.
 
 Device events around --batch calls back to back (device time per call, host
 launch overhead not counted; --batch 1 counts it), median of many runs (the
@@ -19,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
+import mla_decode.fp8  # noqa: E402,F401
 from common import add_timing_args, dump_json, gpu_setup, rates, time_events  # noqa: E402
 
 
@@ -41,7 +45,7 @@ def main():
     ap.add_argument("--means", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--b", type=int, default=128)
-    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp8"], default="bf16")
     ap.add_argument("--table", choices=["random", "sorted"], default="random",
                     help="page order: a random permutation (FlashMLA's test) or pages in order")
     add_timing_args(ap, iters=30)
@@ -51,6 +55,8 @@ def main():
         return 1
     name, peaks = setup
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    fp8 = args.dtype == "fp8"
+    kv_scale = 0.02 if fp8 else None  # (randn values up to ~5: within e4m3's range at this scale)
     print(f"# serving API (flash_mla_with_kvcache) | {mla_decode.backend()} | b={args.b} h_kv=1 d=576 dv=512 "
           f"| {args.dtype} | pages {args.table}")
     gen = torch.Generator().manual_seed(0)
@@ -64,6 +70,8 @@ def main():
                 if block_size != 64 and s_q != 1:
                     continue
                 k_cache, table = paged_cache(lens, block_size, gen, dtype, args.table)
+                if fp8:
+                    k_cache = mla_decode.fp8.quantize_per_tensor(k_cache, kv_scale, mla_decode.fp8.FP8_KV_DTYPE)
                 for h_q in args.heads:
                     if block_size != 64 and h_q != 128:
                         continue
@@ -72,11 +80,12 @@ def main():
 
                     def call():
                         mla_decode.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits,
-                                                          causal=s_q > 1)
+                                                          causal=s_q > 1, kv_scale=kv_scale)
 
                     us = time_events(call, iters=args.iters, batch=args.batch) * 1e3
                     fl = 2 * sum(lens) * s_q * h_q * (576 + 512)
-                    by = 2 * sum(lens) * 576 + 2 * args.b * s_q * h_q * (576 + 512) + 4 * args.b * s_q * h_q
+                    by = ((1 if fp8 else 2) * sum(lens) * 576 + 2 * args.b * s_q * h_q * (576 + 512)
+                          + 4 * args.b * s_q * h_q)
                     row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, dtype=args.dtype, table=args.table,
                                **rates(us, fl, by, peaks))
                     rows.append(row)
