@@ -71,7 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none(),
-        py::arg("plan") = py::none(), py::arg("split") = true);
+        py::arg("plan") = py::none(), py::arg("split") = true, py::arg("kv_scale") = 1.0);
   m.def("decode_step", &mla::api::decode_step, py::arg("x"), py::arg("w_qd"), py::arg("w_kvd"), py::arg("w_qu"),
         py::arg("w_kvu"), py::arg("w_o"), py::arg("cache"), py::arg("pos"), py::arg("cfg"), py::arg("rope_cs"),
         py::arg("want"),
