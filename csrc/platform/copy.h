@@ -45,6 +45,17 @@ MLA_DEVICE uint4 ld_global_nc(const uint4* p) {
   return *p;
 #endif
 }
+// Wait for this thread's global loads issued so far. AMD: s_waitcnt
+// vmcnt(0) (gfx9 encoding; the compiler's wait insertion takes it into
+// account), so that loads issued before a loop (a kernel's Q fragments) are
+// not waited for inside it, where a conservative vmcnt(0) would also wait
+// for the loop's own prefetches. NVIDIA: nothing (a load completes at its use).
+MLA_DEVICE void wait_global_loads() {
+#if MLA_AMD
+  __builtin_amdgcn_s_waitcnt(0x0F70);  // vmcnt 0; expcnt 7 and lgkmcnt 15: not waited for
+#endif
+}
+
 MLA_DEVICE void copy_commit() {
 #if MLA_NVIDIA
   asm volatile("cp.async.commit_group;\n" ::);
@@ -61,18 +72,11 @@ MLA_DEVICE void copy_wait() {
 
 }  // namespace mla
 
-// FP8 latent caches (per-tensor scale): 8 e4m3 values read into registers
-// as one 8-byte load (0 where !valid), later widened to 8 bf16 values (16
-// bytes) in shared memory. Exact: every e4m3 value is a bf16 value. The
-// format is the platform's: float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD
-// gfx942 (its hardware's FP8). The split lets the load's latency pass under
-// other work before the widening needs the bytes.
-MLA_DEVICE uint2 load_fp8x8(const void* gmem_src, bool valid) {
-  uint2 v = make_uint2(0u, 0u);
-  if (valid) v = *reinterpret_cast<const uint2*>(gmem_src);
-  return v;
-}
-
+// FP8 latent caches (per-tensor scale): e4m3 values widened to bf16 (exact:
+// every e4m3 value is a bf16 value), in the platform's format:
+// float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD gfx942 (its hardware's
+// FP8). The attention loads the bytes into registers first and widens them
+// on their way into shared memory (attention.cu, fetch_keys / store_keys).
 // Four e4m3 values (a 32-bit word, lowest byte first) -> two bf16 pairs.
 MLA_DEVICE void fp8x4_to_bf16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
 #if MLA_NVIDIA
@@ -96,7 +100,7 @@ MLA_DEVICE void fp8x4_to_bf16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
 #endif
 }
 
-// The 8 values of load_fp8x8 as 8 bf16 values at smem_dst (16 bytes, aligned).
+// 8 e4m3 values (v.x: the first four) as 8 bf16 values at smem_dst (16 bytes, aligned).
 MLA_DEVICE void store_fp8x8_as_bf16(void* smem_dst, uint2 v) {
   uint4 o;
   fp8x4_to_bf16x4(v.x, o.x, o.y);

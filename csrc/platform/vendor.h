@@ -206,6 +206,21 @@ MLA_DEVICE void sync_threads() {
 #endif
 }
 
+// A block barrier that orders shared memory (LDS) only: global loads still
+// in flight stay in flight across it (on gfx942 a workgroup fence also waits
+// for every outstanding global load, which would expose a prefetch's
+// latency at the next barrier). For kernels whose threads share data only
+// through shared memory between barriers. NVIDIA: __syncthreads.
+MLA_DEVICE void sync_threads_lds() {
+#if MLA_AMD
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup", "local");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup", "local");
+#else
+  __syncthreads();
+#endif
+}
+
 MLA_DEVICE void atomic_add_relaxed(int* p, int v) {
 #if MLA_AMD
   __atomic_fetch_add(p, v, __ATOMIC_RELAXED);

@@ -163,6 +163,24 @@ MLA_DEVICE const bf16_t* kv_row(const AttnParams& p, int b, int t) {
   return p.kv + page * p.kv_page_stride + (t % p.page_size) * p.kv_row_stride;
 }
 
+// Per-head rope scores of tile j into its slot (copy16_async; the register path's companion).
+template <typename T>
+MLA_DEVICE void load_rope_scores(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
+  if constexpr (T::kHeadRope) {
+    constexpr int kRsChunks = T::kBN / 4;
+    const int slot = j % T::kStages, tile = pt.tile_begin + j;
+    float* rdst = sm.rs + slot * T::kM * T::kRsLd;
+    for (int c = tid; c < T::kM * kRsChunks; c += T::kThreads) {
+      const int r = c / kRsChunks, t = tile * T::kBN + 4 * (c % kRsChunks), row = block_x() * T::kM + r;
+      const bool valid = row < p.rows && t < pt.L;  // (t + 1..3 >= L lie inside the workspace; masked later)
+      copy16_async(rdst + r * T::kRsLd + 4 * (c % kRsChunks),
+                   valid ? p.rope_scores + (static_cast<int64_t>(pt.b) * p.rows + row) * p.rs_stride + t
+                         : p.rope_scores,
+                   valid);
+    }
+  }
+}
+
 // Issue the copies of key tile j of the part into its ring slot (and its
 // cos|sin rows or per-head rope scores). Each thread copies kLdSteps chunks
 // of one key row: one page lookup per row and tile.
@@ -190,16 +208,7 @@ MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem
     }
   }
   if constexpr (T::kHeadRope) {  // the rope scores of this block's rows for these keys (4 per chunk)
-    constexpr int kRsChunks = T::kBN / 4;
-    float* rdst = sm.rs + slot * T::kM * T::kRsLd;
-    for (int c = tid; c < T::kM * kRsChunks; c += T::kThreads) {
-      const int r = c / kRsChunks, t = tile * T::kBN + 4 * (c % kRsChunks), row = block_x() * T::kM + r;
-      const bool valid = row < p.rows && t < pt.L;  // (t + 1..3 >= L lie inside the workspace; masked later)
-      copy16_async(rdst + r * T::kRsLd + 4 * (c % kRsChunks),
-                   valid ? p.rope_scores + (static_cast<int64_t>(pt.b) * p.rows + row) * p.rs_stride + t
-                         : p.rope_scores,
-                   valid);
-    }
+    load_rope_scores<T>(p, pt, j, sm, tid);
   } else if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
     constexpr int kCsChunks = T::kRope / 8;
     bf16_t* cdst = sm.cs + slot * T::kBN * T::kRope;
@@ -212,39 +221,107 @@ MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem
   }
 }
 
-// FP8 caches (kv_fp8): the key rows of tile j as e4m3 bytes, into registers
-// (fetch_tile_fp8: 8 values per chunk, rows past the length and padding
-// columns 0), then widened to bf16 in the ring slot (store_tile_fp8), each
-// thread the same row and chunks as load_tile's. Strides are in elements,
-// which are bytes here.
-template <typename T>
-MLA_DEVICE void fetch_tile_fp8(const AttnParams& p, const Part& pt, int j, uint2 (&raw)[T::kLdSteps], int tid) {
-  const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr, t = (pt.tile_begin + j) * T::kBN + r;
+// Register-staged key loads: each thread reads its chunks of tile j into
+// registers (fetch_keys: all loads issued together, rows past the length
+// and padding columns 0, the load predicated instead of branched around),
+// and writes them to the tile's ring slot later (store_keys). Used for fp8
+// caches (the bytes widened to bf16 on the way in) and, for every cache, on
+// AMD, where a 16-byte global-to-LDS copy is a load and an LDS store: issued
+// one chunk at a time, behind branches, each waited for its own memory round
+// trip before the tile's products began. NVIDIA builds with
+// -DMLA_PORTABLE_REG_LOADS take this path too (to test it); otherwise they
+// copy with cp.async (load_tile). The cos|sin rows of on-the-fly RoPE travel
+// the same way; per-head rope scores stay on copy16_async.
+#if MLA_AMD || defined(MLA_PORTABLE_REG_LOADS)
+constexpr bool kRegLoads = true;
+#else
+constexpr bool kRegLoads = false;
+#endif
+// The stores after the tile's P V (AMD: the most work between load and use)
+// or after its scores (NVIDIA: fewer registers held through P V).
+constexpr bool kStoreLate = MLA_AMD != 0;
+
+template <typename T, bool kFp8>
+struct KeyChunks {
+  using V = std::conditional_t<kFp8, uint2, uint4>;  // 8 elements: e4m3 bytes or 16-bit values
+  static constexpr int kCsChunks = T::kRope / 8;
+  // (fp8 caches take no on-the-fly RoPE)
+  static constexpr int kCsSteps = T::kHeadRope || kFp8 ? 0 : (T::kBN * kCsChunks + T::kThreads - 1) / T::kThreads;
+  V v[T::kLdSteps];
+  uint4 cs[kCsSteps > 0 ? kCsSteps : 1];
+};
+
+template <typename V>
+MLA_DEVICE V load_chunk(const void* src, bool valid) {
+  V v = *reinterpret_cast<const V*>(src);  // (src is a readable address either way: the cache's first row)
+  return valid ? v : V{};
+}
+
+template <typename T, bool kFp8>
+MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, KeyChunks<T, kFp8>& kc, int tid) {
+  using V = typename KeyChunks<T, kFp8>::V;
+  constexpr int kE = kFp8 ? 1 : 2;  // bytes per cache element (strides are in elements)
+  const int tile = pt.tile_begin + j;
+  const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr, t = tile * T::kBN + r;
   const bool row_ok = t < pt.L;
-  const uint8_t* kv8 = reinterpret_cast<const uint8_t*>(p.kv);
-  const uint8_t* row = kv8;
+  const unsigned char* base = reinterpret_cast<const unsigned char*>(p.kv);
+  const unsigned char* row = base;
+  const unsigned char* kpe_row = base;
   if (row_ok) {
     const int64_t page = p.block_table == nullptr
                              ? pt.b
                              : page_id(p.block_table, pt.b * p.block_table_stride + t / p.page_size, p.num_pages);
-    row = kv8 + page * p.kv_page_stride + (p.block_table == nullptr ? t : t % p.page_size) * p.kv_row_stride;
+    row = base + (page * p.kv_page_stride + (p.block_table == nullptr ? t : t % p.page_size) * p.kv_row_stride) * kE;
+    if (!kFp8 && p.kpe != nullptr)
+      kpe_row = reinterpret_cast<const unsigned char*>(p.kpe + pt.b * p.kpe_batch_stride +
+                                                       static_cast<int64_t>(t) * p.kpe_row_stride);
   }
+  constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
 #pragma unroll
   for (int k = 0; k < T::kLdSteps; ++k) {
     const int ch = lr + k * T::kLdTpr;
-    raw[k] = load_fp8x8(row + ch * 8, row_ok && ch < T::kChunksPerRow);
+    const bool valid = row_ok && ch < T::kChunksPerRow;  // (padding columns and chunks past the row: zeros)
+    const unsigned char* src = !valid                                           ? base
+                               : (!kFp8 && p.kpe != nullptr && ch >= kRopeChunk) ? kpe_row + (ch - kRopeChunk) * 16
+                                                                                : row + ch * 8 * kE;
+    kc.v[k] = load_chunk<V>(src, valid);
+  }
+  if constexpr (KeyChunks<T, kFp8>::kCsSteps > 0) {
+    if (p.rope_cs != nullptr) {
+      constexpr int kCsChunks = KeyChunks<T, kFp8>::kCsChunks;
+#pragma unroll
+      for (int s = 0; s < KeyChunks<T, kFp8>::kCsSteps; ++s) {
+        const int c = tid + s * T::kThreads, tc = tile * T::kBN + c / kCsChunks;
+        const bool valid = c < T::kBN * kCsChunks && tc < pt.L;
+        kc.cs[s] = load_chunk<uint4>(
+            valid ? p.rope_cs + static_cast<int64_t>(tc) * T::kRope + (c % kCsChunks) * 8 : p.rope_cs, valid);
+      }
+    }
   }
 }
 
-template <typename T>
-MLA_DEVICE void store_tile_fp8(const Smem<T>& sm, int j, const uint2 (&raw)[T::kLdSteps], int tid) {
-  const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr;
-  bf16_t* dst = sm.kv + ((j % T::kStages) * T::kBN + r) * T::kLd;
+template <typename T, bool kFp8>
+MLA_DEVICE void store_keys(const AttnParams& p, const Smem<T>& sm, int j, const KeyChunks<T, kFp8>& kc, int tid) {
+  const int slot = j % T::kStages, r = tid / T::kLdTpr, lr = tid % T::kLdTpr;
+  bf16_t* dst = sm.kv + (slot * T::kBN + r) * T::kLd;
 #pragma unroll
   for (int k = 0; k < T::kLdSteps; ++k) {
     const int ch = lr + k * T::kLdTpr;
     if (T::kChunksPadded % T::kLdTpr != 0 && ch >= T::kChunksPadded) break;
-    store_fp8x8_as_bf16(dst + ch * 8, raw[k]);
+    if constexpr (kFp8)
+      store_fp8x8_as_bf16(dst + ch * 8, kc.v[k]);
+    else
+      *reinterpret_cast<uint4*>(dst + ch * 8) = kc.v[k];
+  }
+  if constexpr (KeyChunks<T, kFp8>::kCsSteps > 0) {
+    if (p.rope_cs != nullptr) {
+      bf16_t* cdst = sm.cs + slot * T::kBN * T::kRope;
+#pragma unroll
+      for (int s = 0; s < KeyChunks<T, kFp8>::kCsSteps; ++s) {
+        const int c = tid + s * T::kThreads;
+        if (c < T::kBN * KeyChunks<T, kFp8>::kCsChunks) *reinterpret_cast<uint4*>(cdst + c * 8) = kc.cs[s];
+      }
+    }
   }
 }
 
@@ -471,21 +548,24 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   const int ntiles = pt.tile_end - pt.tile_begin;
 
   // keys first: the first tiles are in flight while Q is read
+  constexpr bool kRegs = kFp8 || kRegLoads;  // register-staged key loads (fetch_keys / store_keys)
 #pragma unroll
   for (int j = 0; j < T::kStages - 1; ++j) {
-    if constexpr (kFp8) {
-      uint2 raw[T::kLdSteps];
+    if constexpr (kRegs) {
+      KeyChunks<T, kFp8> kc;
       if (j < ntiles) {
-        fetch_tile_fp8<T>(p, pt, j, raw, tid);
-        store_tile_fp8<T>(sm, j, raw, tid);
+        fetch_keys<T, kFp8>(p, pt, j, kc, tid);
+        load_rope_scores<T>(p, pt, j, sm, tid);
+        store_keys<T, kFp8>(p, sm, j, kc, tid);
       }
     } else {
       if (j < ntiles) load_tile<T>(p, pt, j, sm, tid);
-      copy_commit();
     }
+    copy_commit();
   }
   mma::FragA qf[T::kSMT][T::kSKS];
   load_q<T>(p, pt.b, warp, qf);
+  if constexpr (kRegs) wait_global_loads();  // (Q here, not at its first use in the loop: see copy.h)
   mma::FragC o[T::kPMT][T::kPNT];
 #pragma unroll
   for (int mt = 0; mt < T::kPMT; ++mt)
@@ -499,35 +579,41 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
 
   for (int j = 0; j < ntiles; ++j) {
     copy_wait<T::kStages - 2>();
-    sync_threads();  // tile j landed for everyone; the slot of tile j-1 is free
+    sync_threads_lds();  // tile j landed for everyone; the slot of tile j-1 is free
     const bool refill = j + T::kStages - 1 < ntiles;
-    uint2 raw[kFp8 ? T::kLdSteps : 1];  // (fp8: the refill's bytes, widened into its slot after the scores)
-    if constexpr (kFp8) {
-      if (refill) fetch_tile_fp8<T>(p, pt, j + T::kStages - 1, raw, tid);
+    KeyChunks<T, kFp8> kc;  // (register path: the refill's chunks, stored into its slot later in this tile)
+    if constexpr (kRegs) {
+      if (refill) {
+        fetch_keys<T, kFp8>(p, pt, j + T::kStages - 1, kc, tid);
+        load_rope_scores<T>(p, pt, j + T::kStages - 1, sm, tid);
+      }
     } else {
       if (refill) load_tile<T>(p, pt, j + T::kStages - 1, sm, tid);
-      copy_commit();
     }
+    copy_commit();
 
     const int slot = j % T::kStages, key0 = (pt.tile_begin + j) * T::kBN;
     bf16_t* kt = sm.kv + slot * T::kBN * T::kLd;
     if constexpr (!T::kHeadRope && !kF16) {  // (bf16 only; the host refuses it with fp16)
       if (p.rope_cs != nullptr) {
         rope_tile<T>(kt, sm.cs + slot * T::kBN * T::kRope, key0, pt.L, tid);
-        sync_threads();
+        sync_threads_lds();
       }
     }
     scores<T, kF16>(qf, kt, sm.s, warp, lane);
-    if constexpr (kFp8) {
-      if (refill) store_tile_fp8<T>(sm, j + T::kStages - 1, raw, tid);
+    if constexpr (kRegs && !kStoreLate) {
+      if (refill) store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
     }
-    sync_threads();
+    sync_threads_lds();
     softmax<T, kF16>(sm.s, sm.rs + slot * T::kM * T::kRsLd, p.scale_log2, key0, limit, st, sm.p, sm.row, tid);
-    sync_threads();
+    sync_threads_lds();
     pv<T, kF16>(o, sm.p, sm.row, kt, warp, lane);
+    if constexpr (kRegs && kStoreLate) {  // (the slot of tile j - 1: free since this tile's first barrier)
+      if (refill) store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
+    }
   }
   copy_wait<0>();
-  sync_threads();  // (the last P V read the rescale factors)
+  sync_threads_lds();  // (the last P V read the rescale factors)
 
   // per row: 1 / sum for the writers, the LSE to memory
   if (tid % T::kSmLanes == 0) {
@@ -542,7 +628,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
         p.lse_part[static_cast<int64_t>(pt.first_part + pt.split) * p.rows + r] = lse;
     }
   }
-  sync_threads();
+  sync_threads_lds();
   write_out<T, kF16>(p, pt, o, sm.row, warp, lane);
 }
 
