@@ -668,29 +668,24 @@ constexpr bool kFp8Instance = T::kD == 576 && T::kDv == 512;
 
 template <typename T>
 const char* kernel_info(AttnKernelInfo* info, bool fp8) {
-  if (fp8) {
-    if constexpr (kFp8Instance<T>) {
-      if (const char* e = set_max_dynamic_smem(attention_kernel<T, false, true>, T::kSmem)) return e;
-      info->rows_per_block = T::kM;
-      info->tile = T::kBN;
-      info->threads = T::kThreads;
-      info->smem_bytes = T::kSmem;
-      info->warp_size = kWarpSize;
-      info->blocks_per_sm = max_active_blocks(attention_kernel<T, false, true>, T::kThreads, T::kSmem);
-      if (info->blocks_per_sm <= 0) return "attention kernel (fp8) cannot be resident on this device (occupancy 0)";
-      return nullptr;
-    }
-    return kAttnFp8Supported;
-  }
-  if (const char* e = set_max_dynamic_smem(attention_kernel<T, false, false>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_kernel<T, true, false>, T::kSmem)) return e;
   info->rows_per_block = T::kM;
   info->tile = T::kBN;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  info->blocks_per_sm = std::min(max_active_blocks(attention_kernel<T, false, false>, T::kThreads, T::kSmem),
-                                 max_active_blocks(attention_kernel<T, true, false>, T::kThreads, T::kSmem));
+  if (fp8) {
+    if constexpr (kFp8Instance<T>) {
+      if (const char* e = set_max_dynamic_smem(attention_kernel<T, false, true>, T::kSmem)) return e;
+      info->blocks_per_sm = max_active_blocks(attention_kernel<T, false, true>, T::kThreads, T::kSmem);
+    } else {
+      return kAttnFp8Supported;
+    }
+  } else {
+    if (const char* e = set_max_dynamic_smem(attention_kernel<T, false, false>, T::kSmem)) return e;
+    if (const char* e = set_max_dynamic_smem(attention_kernel<T, true, false>, T::kSmem)) return e;
+    info->blocks_per_sm = std::min(max_active_blocks(attention_kernel<T, false, false>, T::kThreads, T::kSmem),
+                                   max_active_blocks(attention_kernel<T, true, false>, T::kThreads, T::kSmem));
+  }
   if (info->blocks_per_sm <= 0) return "attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }
