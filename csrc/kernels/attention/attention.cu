@@ -257,8 +257,18 @@ MLA_DEVICE V load_chunk(const void* src, bool valid) {
   return valid ? v : V{};
 }
 
+// The block-table entry of this thread's key row of tile j (paged caches;
+// 0 past the length or without a table), read a tile ahead of fetch_keys and
+// checked only there, so that the read's latency passes under a tile's work.
+template <typename T>
+MLA_DEVICE int32_t key_page_entry(const AttnParams& p, const Part& pt, int j, int tid) {
+  const int t = (pt.tile_begin + j) * T::kBN + tid / T::kLdTpr;
+  return p.block_table != nullptr && t < pt.L ? p.block_table[pt.b * p.block_table_stride + t / p.page_size] : 0;
+}
+
 template <typename T, bool kFp8>
-MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, KeyChunks<T, kFp8>& kc, int tid) {
+MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, int32_t entry, KeyChunks<T, kFp8>& kc,
+                           int tid) {
   using V = typename KeyChunks<T, kFp8>::V;
   constexpr int kE = kFp8 ? 1 : 2;  // bytes per cache element (strides are in elements)
   const int tile = pt.tile_begin + j;
@@ -268,9 +278,8 @@ MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, KeyChunks
   const unsigned char* row = base;
   const unsigned char* kpe_row = base;
   if (row_ok) {
-    const int64_t page = p.block_table == nullptr
-                             ? pt.b
-                             : page_id(p.block_table, pt.b * p.block_table_stride + t / p.page_size, p.num_pages);
+    // (an id outside the cache reads page 0, as page_id)
+    const int64_t page = p.block_table == nullptr ? pt.b : entry >= 0 && entry < p.num_pages ? entry : 0;
     row = base + (page * p.kv_page_stride + (p.block_table == nullptr ? t : t % p.page_size) * p.kv_row_stride) * kE;
     if (!kFp8 && p.kpe != nullptr)
       kpe_row = reinterpret_cast<const unsigned char*>(p.kpe + pt.b * p.kpe_batch_stride +
@@ -554,7 +563,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     if constexpr (kRegs) {
       KeyChunks<T, kFp8> kc;
       if (j < ntiles) {
-        fetch_keys<T, kFp8>(p, pt, j, kc, tid);
+        fetch_keys<T, kFp8>(p, pt, j, key_page_entry<T>(p, pt, j, tid), kc, tid);
         load_rope_scores<T>(p, pt, j, sm, tid);
         store_keys<T, kFp8>(p, sm, j, kc, tid);
       }
@@ -563,6 +572,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     }
     copy_commit();
   }
+  int32_t next_entry = kRegs ? key_page_entry<T>(p, pt, T::kStages - 1, tid) : 0;  // (the first refill's)
   mma::FragA qf[T::kSMT][T::kSKS];
   load_q<T>(p, pt.b, warp, qf);
   if constexpr (kRegs) wait_global_loads();  // (Q here, not at its first use in the loop: see copy.h)
@@ -584,8 +594,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     KeyChunks<T, kFp8> kc;  // (register path: the refill's chunks, stored into its slot later in this tile)
     if constexpr (kRegs) {
       if (refill) {
-        fetch_keys<T, kFp8>(p, pt, j + T::kStages - 1, kc, tid);
+        fetch_keys<T, kFp8>(p, pt, j + T::kStages - 1, next_entry, kc, tid);
         load_rope_scores<T>(p, pt, j + T::kStages - 1, sm, tid);
+        next_entry = key_page_entry<T>(p, pt, j + T::kStages, tid);  // (past the length: none read)
       }
     } else {
       if (refill) load_tile<T>(p, pt, j + T::kStages - 1, sm, tid);
