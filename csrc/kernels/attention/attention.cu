@@ -386,6 +386,11 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
   const int sm_w = warp % T::kSMW, sd_w = warp / T::kSMW;
   const bf16_t* kb = kt + sd_w * T::kSD;
   float* sw = s_s + (sd_w * T::kM + sm_w * T::kSM) * T::kSLd;
+#if MLA_AMD
+  // (LLVM's default schedule reads each key fragment right before its MFMA and
+  // waits for it; this one interleaves the LDS reads ahead of the MFMAs)
+  __builtin_amdgcn_iglp_opt(0);
+#endif
 #pragma unroll
   for (int n = 0; n < T::kBN / 16; ++n) {
     mma::FragC acc[T::kSMT];
@@ -485,6 +490,9 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
     }
   const bf16_t* vb = kt + pn_w * T::kPN;
   const bf16_t* pb = p_s + pm_w * T::kPM * T::kPLd;
+#if MLA_AMD
+  __builtin_amdgcn_iglp_opt(0);  // (as in scores)
+#endif
 #pragma unroll
   for (int kk = 0; kk < T::kBN / 16; ++kk) {
     mma::FragA pa[T::kPMT];
