@@ -459,7 +459,7 @@ def test_attention_fp16(lens):
     assert torch.equal(out2, out) and torch.equal(lse2, lse)
     with pytest.raises(TypeError, match="bf16 only"):
         mla_attention(q, kv, seqlens, 0.07, rope_cs=rope_table(kv.shape[1], device="cuda"))
-    with pytest.raises(TypeError, match="kv \\(the same dtype as q\\)"):
+    with pytest.raises(TypeError, match="kv \\(the same dtype as q, or the fp8 cache format\\)"):
         mla_attention(q, kv.bfloat16(), seqlens, 0.07)
 
 
