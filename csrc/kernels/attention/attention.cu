@@ -224,9 +224,9 @@ MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem
 // Register-staged key loads: each thread reads its chunks of tile j into
 // registers (fetch_keys: all loads issued together, rows past the length
 // and padding columns 0, the load predicated instead of branched around),
-// and writes them to the tile's ring slot later (store_keys). Used for fp8
-// caches (the bytes widened to bf16 on the way in) and, for every cache, on
-// AMD, where a 16-byte global-to-LDS copy is a load and an LDS store: issued
+// and writes them to the tile's ring slot after the current tile's P V
+// (store_keys). Used for fp8 caches (the bytes widened to bf16 on the way
+// in) and, for every cache, on AMD, where a 16-byte global-to-LDS copy is a load and an LDS store: issued
 // one chunk at a time, behind branches, each waited for its own memory round
 // trip before the tile's products began. NVIDIA builds with
 // -DMLA_PORTABLE_REG_LOADS take this path too (to test it); otherwise they
@@ -237,9 +237,6 @@ constexpr bool kRegLoads = true;
 #else
 constexpr bool kRegLoads = false;
 #endif
-// The stores after the tile's P V (AMD: the most work between load and use)
-// or after its scores (NVIDIA: fewer registers held through P V).
-constexpr bool kStoreLate = MLA_AMD != 0;
 
 template <typename T, bool kFp8>
 struct KeyChunks {
@@ -620,14 +617,13 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
       }
     }
     scores<T, kF16>(qf, kt, sm.s, warp, lane);
-    if constexpr (kRegs && !kStoreLate) {
-      if (refill) store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
-    }
     sync_threads_lds();
     softmax<T, kF16>(sm.s, sm.rs + slot * T::kM * T::kRsLd, p.scale_log2, key0, limit, st, sm.p, sm.row, tid);
     sync_threads_lds();
     pv<T, kF16>(o, sm.p, sm.row, kt, warp, lane);
-    if constexpr (kRegs && kStoreLate) {  // (the slot of tile j - 1: free since this tile's first barrier)
+    // register path: the refill's stores after P V, the most work between its loads and their use (the
+    // slot of tile j - 1: free since this tile's first barrier)
+    if constexpr (kRegs) {
       if (refill) store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
     }
   }
