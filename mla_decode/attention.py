@@ -105,7 +105,9 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     e4m3fn on NVIDIA builds, e4m3fnuz on AMD; as ``mla_decode.fp8.
     quantize_per_tensor`` writes it), the cache's per-tensor scale: every
     stored value stands for value * kv_scale (required then; refused
-    otherwise). FP8 runs on the portable kernel (also on Hopper) with bf16 q,
+    otherwise). A Python float, or a one-element tensor read with ``.item()``
+    (a GPU tensor: a host sync per call, and refused during graph capture,
+    where the scale is fixed when captured). FP8 runs on the portable kernel (also on Hopper) with bf16 q,
     d 576 / dv 512 and the keys used as stored (no rope_cs, kpe or
     kpe_heads); a ``plan`` from the plan op is made for the bf16 kernel and is
     refused where the two kernels differ (Hopper): pass none there."""
@@ -130,7 +132,15 @@ def _kv_scale(kv, kv_scale):
         if kv_scale is None:
             raise ValueError(f"kv is an fp8 cache ({kv.dtype}): pass kv_scale, the per-tensor scale it was "
                              "quantized with (mla_decode.fp8.quantize_per_tensor)")
-        s = float(kv_scale.item() if isinstance(kv_scale, torch.Tensor) else kv_scale)
+        if isinstance(kv_scale, torch.Tensor):
+            if kv_scale.numel() != 1:
+                raise ValueError(f"kv_scale must be one number (the per-tensor scale), got a tensor of shape "
+                                 f"{list(kv_scale.shape)}")
+            if kv_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise ValueError("kv_scale is a GPU tensor, which cannot be read while a CUDA graph is captured "
+                                 "(the scale is fixed at capture): pass it as a Python float")
+            kv_scale = kv_scale.item()  # (a GPU tensor: a host sync on every call; pass a float to avoid it)
+        s = float(kv_scale)
         if not (0.0 < s < float("inf")):
             raise ValueError(f"kv_scale must be a positive finite number, got {s}")
         return s

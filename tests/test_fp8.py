@@ -134,3 +134,26 @@ def test_append_errors_write_nothing():
         fp8_append_paged(k_cache, same, [5, 5], rows, k_scale=0.1)
     fp8_append_paged(k_cache.clone(), same, [5, 6], rows, k_scale=0.1)  # same block, other rows: fine
     assert torch.equal(k_cache.view(torch.uint8), before)
+
+
+def test_kv_scale_argument():
+    """The attention's kv_scale (mla_attention / flash_mla_with_kvcache): a
+    float or a one-element tensor with an fp8 cache, required there, refused
+    with a bf16 cache, positive and finite."""
+    from mla_decode.attention import _kv_scale
+
+    kv8 = torch.zeros(1, 4, 576).to(FP8_DTYPES[0])
+    kv = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
+    assert _kv_scale(kv8, 0.25) == 0.25
+    assert _kv_scale(kv8, torch.tensor(0.5)) == 0.5
+    assert _kv_scale(kv8, torch.tensor([2.0])) == 2.0
+    assert _kv_scale(kv, None) == 1.0
+    with pytest.raises(ValueError, match="pass kv_scale"):
+        _kv_scale(kv8, None)
+    with pytest.raises(ValueError, match="one number"):
+        _kv_scale(kv8, torch.tensor([1.0, 2.0]))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="positive finite"):
+            _kv_scale(kv8, bad)
+    with pytest.raises(ValueError, match="applies to an fp8"):
+        _kv_scale(kv, 0.5)
