@@ -248,7 +248,7 @@ if kernels_built():
 
     @torch.library.register_fake("mla_decode::attention")
     def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None, head_dim_v=DV,
-                        kpe_heads=None, plan=None, split=True):
+                        kpe_heads=None, plan=None, split=True, kv_scale=1.0):
         bs, s_q, h_q, _ = q.shape
         return q.new_empty(bs, s_q, h_q, head_dim_v), q.new_empty(bs, h_q, s_q, dtype=torch.float32)
 

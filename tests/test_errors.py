@@ -224,3 +224,12 @@ def test_plan_and_attention_trace_with_fake_tensors():
     graph = make_fx(step, tracing_mode="symbolic")(seqlens, q, kv)
     called = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert torch.ops.mla_decode.plan.default in called and torch.ops.mla_decode.attention.default in called
+
+    def step_fp8(seqlens, q, kv8):  # an fp8 cache: kv_scale, the schema's last argument, reaches the fake too
+        return torch.ops.mla_decode.attention(q, kv8, seqlens, None, None, 0.1, False, None, 512, None, None, True, 0.5)
+
+    from mla_decode.fp8 import FP8_KV_DTYPE
+
+    kv8 = torch.zeros(4, 64, 576).to(FP8_KV_DTYPE)
+    graph = make_fx(step_fp8, tracing_mode="symbolic")(seqlens, q, kv8)
+    assert torch.ops.mla_decode.attention.default in [n.target for n in graph.graph.nodes if n.op == "call_function"]

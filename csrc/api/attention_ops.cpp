@@ -8,7 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <limits>
+#include <cmath>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -216,8 +216,12 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
       fail_value(std::string("an fp8 kv cache: ") + kAttnFp8Supported +
                  ", the keys used as stored (no rope_cs, kpe or kpe_heads); got d=" + num(d) + ", head_dim_v=" +
                  num(dv));
-    if (!(kv_scale > 0.0) || kv_scale == std::numeric_limits<double>::infinity())
-      fail_value("kv_scale must be a positive finite number (the fp8 cache's per-tensor scale), got " + num(kv_scale));
+    // (checked as the kernel takes it: float32, and folded into the scores' factor)
+    const float o_scale = static_cast<float>(kv_scale);
+    const float s_scale = static_cast<float>(softmax_scale * kv_scale * 1.4426950408889634);
+    if (!(o_scale > 0.f) || !std::isfinite(o_scale) || !std::isfinite(s_scale))
+      fail_value("kv_scale must be a positive number that stays finite and nonzero in float32, also times "
+                 "softmax_scale (the fp8 cache's per-tensor scale), got " + num(kv_scale));
   } else if (kv_scale != 1.0) {
     fail_value("kv_scale applies to an fp8 kv cache (" + std::string(c10::toString(kFp8Dtype)) + "); kv is " +
                c10::toString(kv.scalar_type()));

@@ -78,8 +78,22 @@ MLA_DEVICE void copy_wait() {
 // FP8). The attention loads the bytes into registers first and widens them
 // on their way into shared memory (attention.cu, fetch_keys / store_keys).
 // Four e4m3 values (a 32-bit word, lowest byte first) -> two bf16 pairs.
+#if MLA_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+// One e4m3fn byte as bf16 bits, decoded from its fields (GPUs before sm_89
+// have no e4m3 conversion instruction): bias 7, no infinities, S.1111.111 NaN.
+MLA_DEVICE uint32_t e4m3fn_to_bf16_bits(uint32_t b) {
+  const uint32_t sign = (b & 0x80u) << 8, e = (b >> 3) & 15u, m = b & 7u;
+  if (e == 15u && m == 7u) return sign | 0x7fc0u;
+  if (e == 0u) return sign | (__float_as_uint(static_cast<float>(m) * 0.001953125f) >> 16);  // m * 2^-9, exact
+  return sign | ((e + 120u) << 7) | (m << 4);
+}
+#endif
+
 MLA_DEVICE void fp8x4_to_bf16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
-#if MLA_NVIDIA
+#if MLA_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  lo = e4m3fn_to_bf16_bits(w & 0xffu) | (e4m3fn_to_bf16_bits((w >> 8) & 0xffu) << 16);
+  hi = e4m3fn_to_bf16_bits((w >> 16) & 0xffu) | (e4m3fn_to_bf16_bits(w >> 24) << 16);
+#elif MLA_NVIDIA
   uint32_t h0, h1;  // f16x2 (every e4m3 value is an f16 normal or zero)
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h0) : "h"(static_cast<unsigned short>(w & 0xffffu)));
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h1) : "h"(static_cast<unsigned short>(w >> 16)));
@@ -92,6 +106,9 @@ MLA_DEVICE void fp8x4_to_bf16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
   lo = __byte_perm(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
   hi = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
 #else
+#if defined(__gfx950__) || defined(__gfx12__) || defined(__gfx1200__) || defined(__gfx1201__)
+#error "fp8 caches: this target's fp8 conversion decodes e4m3fn, the host takes e4m3fnuz on ROCm (gfx94x only)"
+#endif
   using v2f = __attribute__((ext_vector_type(2))) float;
   const v2f a = __builtin_amdgcn_cvt_pk_f32_fp8(static_cast<int>(w), false);
   const v2f b = __builtin_amdgcn_cvt_pk_f32_fp8(static_cast<int>(w), true);
