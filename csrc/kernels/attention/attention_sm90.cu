@@ -277,6 +277,111 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
   }
 }
 
+// The stages of a work item that need no more than their arguments (the
+// kernel's others are lambdas over its state).
+
+// Latent column blocks [nlat, kNB) of Q and of every key buffer to zero (dv
+// 64 on the dv 128 instance: set once, never loaded).
+template <typename T>
+MLA_DEVICE void zero_dead_blocks(unsigned char* q_s, int nlat, int tid) {
+  for (int i = tid; i < (1 + 2 * T::kStages) * T::kBlockBytes / 16; i += T::kThreads) {
+    const int buf = i / (T::kBlockBytes / 16), off = i % (T::kBlockBytes / 16);
+    *reinterpret_cast<uint4*>(q_s + buf * T::kMatBytes + nlat * T::kBlockBytes + off * 16) = make_uint4(0, 0, 0, 0);
+  }
+  wg::fence_proxy_async();  // (before the next wgmma; the prologue's barrier orders it for every thread)
+}
+
+// Per-head rope keys: S += this half's score tile `sb` (the item's kRB = 32
+// rows; the wgmma's rows 32-63 are never written out). Swizzled as the boxes land.
+template <int kRB>
+MLA_DEVICE void add_rope_scores(float (&sacc)[32], const unsigned char* sb, int r0, int r1, int t4) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = hh ? r1 : r0;
+    if (r < kRB) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {  // columns 8k + 2 t4, + 1
+        const int c = 8 * k + 2 * t4, cc = c & 31;
+        const float2 v = *reinterpret_cast<const float2*>(sb + (c >> 5) * 32 * 128 + r * 128 +
+                                                           (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4);
+        sacc[4 * k + 2 * hh] += v.x;
+        sacc[4 * k + 2 * hh + 1] += v.y;
+      }
+    }
+  }
+}
+
+// The LSE of this thread's rows r0, r1 of the item (warpgroup 0; rows from
+// row_base, kRB of them): into lse (fin), or lse_part at prow for the combine.
+template <int kRB>
+MLA_DEVICE void store_lse(const AttnParams& p, int wg, int t4, int r0, int r1, int row_base, int b, float l0,
+                          float l1, bool fin, int64_t prow, float m_a, float m_b) {
+  constexpr float kLn2 = 0.69314718055994531f;
+  if (wg == 0 && t4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row_base + (h ? r1 : r0);
+      const float l = h ? l1 : l0, m = h ? m_b : m_a;
+      const float v = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
+      if ((h ? r1 : r0) < kRB && r < p.rows) {
+        if (fin)
+          p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] = v;
+        else
+          p.lse_part[prow + r] = v;
+      }
+    }
+  }
+}
+
+// O out through shared memory (the key buffers at k_s), then one bulk copy
+// per row: 16-byte-aligned rows of the output are contiguous in o / o_part.
+// stage_o: this thread's O values, normalised, into the padded rows (elt
+// bytes each, from column col0); then the stores are visible to the bulk
+// copies of every thread.
+template <typename T, bool kF16>
+MLA_DEVICE void stage_o(unsigned char* k_s, int r0, int r1, const float (&o)[T::kORegs], float inv0, float inv1,
+                        bool fin, int orow_bytes, int elt, int col0) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float sc = h ? inv1 : inv0;
+    unsigned char* srow = k_s + (h ? r1 : r0) * orow_bytes + col0 * elt;
+    if (fin) {
+#pragma unroll
+      for (int jn = 0; jn < T::kN / 8; ++jn)
+        *reinterpret_cast<uint32_t*>(srow + 16 * jn) =
+            Half16<kF16>::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+    } else {
+#pragma unroll
+      for (int jn = 0; jn < T::kN / 8; ++jn)
+        *reinterpret_cast<float2*>(srow + 32 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
+    }
+  }
+  wg::fence_proxy_async();  // the stores above -> the bulk copies (async proxy)
+  sync_threads();
+}
+// copy_out_row: row `tid` of the item (threads 0..kRB-1), one bulk copy of dvm values.
+MLA_DEVICE void copy_out_row(const AttnParams& p, const unsigned char* k_s, int tid, int row_base, int b, int dvm,
+                             bool fin, int64_t prow, int elt, int orow_bytes) {
+  const int64_t r = row_base + tid;
+  void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * dvm)
+                  : static_cast<void*>(p.o_part + (prow + r) * dvm);
+  wg::bulk_store(dst, k_s + tid * orow_bytes, dvm * elt);  // (dv 64 on the dv 128 kernel: warpgroup 0's columns)
+  wg::bulk_commit();
+  wg::bulk_wait_read();  // before the next item's loads overwrite the key buffers (its prologue syncs)
+}
+
+// Every block has taken its last item (thread 0 did every grab): the last
+// block to get here resets the work counter ctr (and its done count), so
+// that the plan can serve another call with the same lengths (attention(plan=)).
+MLA_DEVICE void release_plan(const AttnParams& p, int32_t* ctr, int tid) {
+  if (p.ctas > 0 && tid == 0) {
+    __threadfence();
+    if (atomicAdd(ctr + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(ctr, 0);
+      atomicExch(ctr + 1, 0);
+    }
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // kF16: q, kv and o hold fp16 (else bf16; on-the-fly key RoPE only then).
@@ -337,14 +442,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // (The epilogue stages O in the key buffers, so it zeroes them again.)
   const int dvm = kDv == 128 ? p.dv : kDv;  // value width in memory (compile-time but for the dv 128 instance)
   const int nlat = dvm / 64;
-  auto zero_dead_blocks = [&] {
-    for (int i = tid; i < (1 + 2 * kStages) * T::kBlockBytes / 16; i += T::kThreads) {
-      const int buf = i / (T::kBlockBytes / 16), off = i % (T::kBlockBytes / 16);
-      *reinterpret_cast<uint4*>(q_s + buf * T::kMatBytes + nlat * T::kBlockBytes + off * 16) = make_uint4(0, 0, 0, 0);
-    }
-    wg::fence_proxy_async();  // (before the next wgmma; the prologue's barrier orders it for every thread)
-  };
-  if (nlat < kNB) zero_dead_blocks();
+  if (nlat < kNB) zero_dead_blocks<T>(q_s, nlat, tid);
   pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
 
   // ==== The work item's state, and the helpers the stages use: pair stages and
@@ -633,27 +731,6 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     wg::commit();
   };
 
-  // Per-head rope keys: S += this half's score tile (the item's 32 rows; the
-  // wgmma's rows 32-63 are never written out). Swizzled as the boxes land.
-  auto add_scores = [&](float(&sacc)[32], int jp) {
-    if constexpr (kPH) {
-      const unsigned char* sb = p_mine(jp);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = hh ? r1 : r0;
-        if (r < kRB) {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {  // columns 8k + 2 t4, + 1
-            const int c = 8 * k + 2 * t4, cc = c & 31;
-            const float2 v = *reinterpret_cast<const float2*>(sb + (c >> 5) * 32 * 128 + r * 128 +
-                                                               (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4);
-            sacc[4 * k + 2 * hh] += v.x;
-            sacc[4 * k + 2 * hh + 1] += v.y;
-          }
-        }
-      }
-    }
-  };
 
   // ==== The stages of a work item, in the order the work-item loop at the end
   // runs them (lambdas: nvcc inlines them). The item's per-thread state, declared
@@ -804,7 +881,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       prefetch_pages(jp + kStages + 2);
       // softmax of S0 against the running max
       float mx0, mx1;
-      add_scores(s, jp);
+      if constexpr (kPH) add_rope_scores<kRB>(s, p_mine(jp), r0, r1, t4);
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       const float n0 = lazy_max(m_a, mx0), n1 = lazy_max(m_b, mx1);
       if (t4 == 0) {
@@ -877,7 +954,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       if (jp >= 0) {
       const uint64_t so = soff(jp);
       float mx0, mx1;
-      add_scores(s, jp);
+      if constexpr (kPH) add_rope_scores<kRB>(s, p_mine(jp), r0, r1, t4);
       mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
       const float n0 = lazy_max(s_m[r0], mx0), n1 = lazy_max(s_m[r1], mx1);
@@ -934,77 +1011,17 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     pdl_trigger();   // the combine may launch once every block has got here
   };
 
-  // The LSE of this thread's rows (warpgroup 0): into lse, or lse_part for the combine.
-  auto store_lse = [&](float l0, float l1, bool fin, int64_t prow, float m_a, float m_b) {
-    constexpr float kLn2 = 0.69314718055994531f;
-    if (wg == 0 && t4 == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row_base + (h ? r1 : r0);
-        const float l = h ? l1 : l0, m = h ? m_b : m_a;
-        const float v = l > 0.f ? (m + fast_log2(l)) * kLn2 : neg_inf();
-        if ((h ? r1 : r0) < kRB && r < p.rows) {
-          if (fin)
-            p.lse[(static_cast<int64_t>(b) * p.h_q + r % p.h_q) * p.s_q + r / p.h_q] = v;
-          else
-            p.lse_part[prow + r] = v;
-        }
-      }
-    }
-  };
 
-  // O through shared memory (the key buffers), then one bulk copy per row:
-  // 16-byte-aligned rows of the output are contiguous in o / o_part
-  // stage_o: this thread's O values, normalised, into the padded rows (elt
-  // bytes each); then the stores are visible to the bulk copies of every thread.
-  auto stage_o = [&](const float (&o)[T::kORegs], float inv0, float inv1, bool fin, int orow_bytes, int elt, int col0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float sc = h ? inv1 : inv0;
-      unsigned char* srow = k_s + (h ? r1 : r0) * orow_bytes + col0 * elt;
-      if (fin) {
-#pragma unroll
-        for (int jn = 0; jn < T::kN / 8; ++jn)
-          *reinterpret_cast<uint32_t*>(srow + 16 * jn) = E::pack2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
-      } else {
-#pragma unroll
-        for (int jn = 0; jn < T::kN / 8; ++jn)
-          *reinterpret_cast<float2*>(srow + 32 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
-      }
-    }
-    wg::fence_proxy_async();  // the stores above -> the bulk copies (async proxy)
-    sync_threads();
-  };
-  // copy_out_row: row `tid` of the item (threads 0..kRB-1), one bulk copy.
-  auto copy_out_row = [&](bool fin, int64_t prow, int elt, int orow_bytes) {
-    const int64_t r = row_base + tid;
-    void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * dvm)
-                    : static_cast<void*>(p.o_part + (prow + r) * dvm);
-    wg::bulk_store(dst, k_s + tid * orow_bytes, dvm * elt);  // (dv 64 on the dv 128 kernel: warpgroup 0's columns)
-    wg::bulk_commit();
-    wg::bulk_wait_read();  // before the next item's loads overwrite the key buffers (its prologue syncs)
-  };
 
-  // Every block has taken its last item (thread 0 did every grab): the last
-  // block to get here resets the work counter, so that the plan can serve
-  // another call with the same lengths (attention(plan=)).
-  auto release_plan = [&] {
-    if (p.ctas > 0 && tid == 0) {
-      __threadfence();
-      if (atomicAdd(ctr + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-        atomicExch(ctr, 0);
-        atomicExch(ctr + 1, 0);
-      }
-    }
-  };
 
   // ==== The work items of this block: per item, the stages above in order
   for (int item = block_x();;) {
     if (!start_item(item)) break;
     const bool tail = has_tail_key();
     // The tail key's three steps (its row here, its scores after the prologue, its
-    // P V after the pair loops) stay in the loop: as lambdas they change the SASS of
-    // the dv 512 bf16 kernel (nvcc then folds the tail row's shared address otherwise).
+    // P V after the pair loops) stay in the loop: as lambdas or as device functions
+    // (each of the three alone) they change the SASS of the dv 512 bf16 kernel (more
+    // registers; nvcc then folds the tail row's shared address otherwise).
     uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
     if (tail && wg == 0 && t < T::kBlocks * 8) {
       const int key = L - 1;
@@ -1131,22 +1148,22 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     const bool fin = pt.nsplit == 1;  // the final output (bf16/fp16), else fp32 partials for the combine
     const int64_t prow = fin ? 0 : static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
-    store_lse(l0, l1, fin, prow, m_a, m_b);
+    store_lse<kRB>(p, wg, t4, r0, r1, row_base, b, l0, l1, fin, prow, m_a, m_b);
     const int col0 = T::kN * wg + 2 * t4;
     const int elt = fin ? 2 : 4;
     const int orow_bytes = T::kOutRowBytes(elt);
-    stage_o(o, inv0, inv1, fin, orow_bytes, elt, col0);
-    if (tid < kRB && row_base + tid < p.rows) copy_out_row(fin, prow, elt, orow_bytes);
+    stage_o<T, kF16>(k_s, r0, r1, o, inv0, inv1, fin, orow_bytes, elt, col0);
+    if (tid < kRB && row_base + tid < p.rows) copy_out_row(p, k_s, tid, row_base, b, dvm, fin, prow, elt, orow_bytes);
     if (nlat < kNB) {  // the staged output covered the dead latent blocks
       sync_threads();   // (the bulk copies have read it)
-      zero_dead_blocks();
+      zero_dead_blocks<T>(q_s, nlat, tid);
     }
     gbase += npairs;
     ++nitem;
     item = s_next[0];
     if (item < 0) break;
   }  // work items
-  release_plan();
+  release_plan(p, ctr, tid);
   wg::bulk_wait_all();
 #else
   __trap();  // built without sm_90a: the host never selects this kernel then
