@@ -383,16 +383,39 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
   const int sm_w = warp % T::kSMW, sd_w = warp / T::kSMW;
   const bf16_t* kb = kt + sd_w * T::kSD;
   float* sw = s_s + (sd_w * T::kM + sm_w * T::kSM) * T::kSLd;
-#if MLA_AMD
-  // (LLVM's default schedule reads each key fragment right before its MFMA and
-  // waits for it; this one interleaves the LDS reads ahead of the MFMAs)
-  __builtin_amdgcn_iglp_opt(0);
-#endif
 #pragma unroll
   for (int n = 0; n < T::kBN / 16; ++n) {
     mma::FragC acc[T::kSMT];
 #pragma unroll
     for (int mt = 0; mt < T::kSMT; ++mt) mma::zero(acc[mt]);
+#if MLA_AMD || defined(MLA_PORTABLE_PREFETCH)
+    // The key fragments read kAhead k-steps before their MFMAs. On AMD the
+    // schedule is pinned to that order (an LDS read, then the MFMAs of the
+    // step kAhead behind it): LLVM's own, with or without iglp_opt, read each
+    // fragment right before its MFMA and waited for it, one LDS round trip
+    // per k-step. NVIDIA keeps the plain loop (this
+    // one changes its SASS; -DMLA_PORTABLE_PREFETCH builds it there, to test it).
+    constexpr int kAhead = T::kSKS < 4 ? T::kSKS : 4;
+    mma::FragB kf[kAhead];
+#pragma unroll
+    for (int ks = 0; ks < kAhead; ++ks) mma::load_b_nk(kf[ks], kb + n * 16 * T::kLd + ks * 16, T::kLd);
+#pragma unroll
+    for (int ks = 0; ks < T::kSKS; ++ks) {
+      const mma::FragB cur = kf[ks % kAhead];
+      if (ks + kAhead < T::kSKS) mma::load_b_nk(kf[ks % kAhead], kb + n * 16 * T::kLd + (ks + kAhead) * 16, T::kLd);
+#pragma unroll
+      for (int mt = 0; mt < T::kSMT; ++mt) mma::mma<kF16>(acc[mt], qf[mt][ks], cur);
+    }
+#if MLA_AMD
+#pragma unroll
+    for (int ks = 0; ks < kAhead; ++ks) __builtin_amdgcn_sched_group_barrier(0x100, 1, 0);  // the first reads
+#pragma unroll
+    for (int ks = 0; ks < T::kSKS; ++ks) {
+      if (ks + kAhead < T::kSKS) __builtin_amdgcn_sched_group_barrier(0x100, 1, 0);  // read of step ks + kAhead
+      __builtin_amdgcn_sched_group_barrier(0x008, T::kSMT, 0);                       // MFMAs of step ks
+    }
+#endif
+#else
 #pragma unroll
     for (int ks = 0; ks < T::kSKS; ++ks) {
       mma::FragB kf;
@@ -400,6 +423,7 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
 #pragma unroll
       for (int mt = 0; mt < T::kSMT; ++mt) mma::mma<kF16>(acc[mt], qf[mt][ks], kf);
     }
+#endif
 #pragma unroll
     for (int mt = 0; mt < T::kSMT; ++mt) store_c(acc[mt], sw + mt * 16 * T::kSLd + n * 16, T::kSLd, lane);
   }
@@ -487,14 +511,36 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
     }
   const bf16_t* vb = kt + pn_w * T::kPN;
   const bf16_t* pb = p_s + pm_w * T::kPM * T::kPLd;
-#if MLA_AMD
-  __builtin_amdgcn_iglp_opt(0);  // (as in scores)
-#endif
 #pragma unroll
   for (int kk = 0; kk < T::kBN / 16; ++kk) {
     mma::FragA pa[T::kPMT];
 #pragma unroll
     for (int mt = 0; mt < T::kPMT; ++mt) mma::load_a(pa[mt], pb + mt * 16 * T::kPLd + kk * 16, T::kPLd);
+#if MLA_AMD || defined(MLA_PORTABLE_PREFETCH)
+    // As in scores: the value fragments (on AMD four 2-byte LDS reads each)
+    // read kAhead column tiles before their MFMAs, the AMD schedule pinned to
+    // that order (LLVM's own waited for each fragment's reads right before its
+    // MFMAs: at 16 and 32 rows one LDS round trip per MFMA).
+    constexpr int kAhead = T::kPNT < 4 ? T::kPNT : 4;
+    mma::FragB vf[kAhead];
+#pragma unroll
+    for (int n = 0; n < kAhead; ++n) mma::load_b_kn(vf[n], vb + kk * 16 * T::kLd + n * 16, T::kLd);
+#pragma unroll
+    for (int n = 0; n < T::kPNT; ++n) {
+      const mma::FragB cur = vf[n % kAhead];
+      if (n + kAhead < T::kPNT) mma::load_b_kn(vf[n % kAhead], vb + kk * 16 * T::kLd + (n + kAhead) * 16, T::kLd);
+#pragma unroll
+      for (int mt = 0; mt < T::kPMT; ++mt) mma::mma<kF16>(o[mt][n], pa[mt], cur);
+    }
+#if MLA_AMD
+    __builtin_amdgcn_sched_group_barrier(0x100, T::kPMT + 4 * kAhead, 0);  // P's fragments, the first values
+#pragma unroll
+    for (int n = 0; n < T::kPNT; ++n) {
+      if (n + kAhead < T::kPNT) __builtin_amdgcn_sched_group_barrier(0x100, 4, 0);  // values of tile n + kAhead
+      __builtin_amdgcn_sched_group_barrier(0x008, T::kPMT, 0);                       // MFMAs of tile n
+    }
+#endif
+#else
 #pragma unroll
     for (int n = 0; n < T::kPNT; ++n) {
       mma::FragB vf;
@@ -502,6 +548,7 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
 #pragma unroll
       for (int mt = 0; mt < T::kPMT; ++mt) mma::mma<kF16>(o[mt][n], pa[mt], vf);
     }
+#endif
   }
 }
 
