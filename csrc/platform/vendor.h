@@ -267,6 +267,16 @@ MLA_DEVICE float shfl_xor(float v, int mask) {
 #endif
 }
 
+// Whether `pred` holds in every lane of the warp / wave (the same answer in
+// every lane: a uniform branch). All lanes must be active.
+MLA_DEVICE bool warp_all(bool pred) {
+#if MLA_AMD
+  return __builtin_amdgcn_ballot_w64(!pred) == 0;
+#else
+  return __all_sync(0xffffffffu, pred);
+#endif
+}
+
 // 2^x, the hardware approximation on both vendors (softmax only).
 MLA_DEVICE float fast_exp2(float x) {
 #if MLA_AMD

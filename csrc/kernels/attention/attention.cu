@@ -434,6 +434,21 @@ struct RowState {
   float m, l;
 };
 
+// Lazy rescale (AMD; NVIDIA with -DMLA_PORTABLE_LAZY_RESCALE, to test it):
+// a row's reference max moves only when a tile's max exceeds it by more than
+// kLazyMax (log2 units), as in the Hopper kernel, so after a row's first tile
+// its rescale factor is almost always exactly 1, and P V skips the rescale of
+// O where a wave's factors all are. P = exp2(s - ref) stays <= 2^kLazyMax;
+// O, the sums and the LSE are exact for any reference. On gfx942 O lives in
+// AGPRs: its rescale is a read, a multiply and a write back per element (about
+// 320 instructions a tile at 64 rows beside 68 MFMAs).
+#if MLA_AMD || defined(MLA_PORTABLE_LAZY_RESCALE)
+constexpr bool kLazyRescale = true;
+#else
+constexpr bool kLazyRescale = false;
+#endif
+constexpr float kPortableLazyMax = 8.f;
+
 // Stage 2: online softmax of this thread's kSmCols keys of row r: the scores
 // (partials summed, plus the per-head rope scores), P into p_s, the row's
 // rescale factor into row_s. Keys at or past `limit` are masked.
@@ -470,7 +485,8 @@ MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2
   }
 #pragma unroll
   for (int off = 1; off < T::kSmLanes; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
-  const float m_new = fmaxf(st.m, mx);
+  // (lazy: -inf - -inf is NaN, so a row that has seen only masked keys keeps -inf)
+  const float m_new = kLazyRescale ? (mx - st.m > kPortableLazyMax ? mx : st.m) : fmaxf(st.m, mx);
   const float m_use = m_new == neg_inf() ? 0.f : m_new;
   const float alpha = fast_exp2(st.m - m_use);
   uint32_t w[T::kSmCols / 2];
@@ -501,14 +517,34 @@ template <typename T, bool kF16>
 MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const float* row_s, const bf16_t* kt,
                    int warp, int lane) {
   const int pm_w = warp % T::kPMW, pn_w = warp / T::kPMW;
+  if constexpr (kLazyRescale) {
+    float a[T::kPMT][mma::kCElems];
+    bool unit = true;
 #pragma unroll
-  for (int mt = 0; mt < T::kPMT; ++mt)
+    for (int mt = 0; mt < T::kPMT; ++mt)
 #pragma unroll
-    for (int i = 0; i < mma::kCElems; ++i) {
-      const float a = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
+      for (int i = 0; i < mma::kCElems; ++i) {
+        a[mt][i] = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
+        unit = unit && a[mt][i] == 1.f;
+      }
+    if (!warp_all(unit)) {  // (uniform: the whole wave skips or rescales)
 #pragma unroll
-      for (int n = 0; n < T::kPNT; ++n) o[mt][n].v[i] *= a;
+      for (int mt = 0; mt < T::kPMT; ++mt)
+#pragma unroll
+        for (int i = 0; i < mma::kCElems; ++i)
+#pragma unroll
+          for (int n = 0; n < T::kPNT; ++n) o[mt][n].v[i] *= a[mt][i];
     }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < T::kPMT; ++mt)
+#pragma unroll
+      for (int i = 0; i < mma::kCElems; ++i) {
+        const float a = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
+#pragma unroll
+        for (int n = 0; n < T::kPNT; ++n) o[mt][n].v[i] *= a;
+      }
+  }
   const bf16_t* vb = kt + pn_w * T::kPN;
   const bf16_t* pb = p_s + pm_w * T::kPM * T::kPLd;
 #pragma unroll
