@@ -7,6 +7,10 @@
 //                                and columns >= cols_valid (a multiple of 8) read as 0
 //   load_b_nk(FragB&, p, ld)     B given as [n][k] in shared memory (a K tile: keys are rows)
 //   load_b_kn(FragB&, p, ld)     B given as [k][n] in shared memory (a V tile)
+//   FragBKn, load_b_kn_parts(FragBKn&, p, ld), b_of(FragBKn)  the same in two steps: the reads, then
+//                                the fragment made of them (AMD: four 2-byte reads, packed at b_of;
+//                                NVIDIA: one ldmatrix, b_of is the identity), so that a read issued
+//                                steps ahead is not packed (and waited for) until its use
 //   mma<kF16>(FragC&, FragA, FragB)  C += A * B (bf16, or fp16 with kF16)
 //   kCElems, c_row(lane, i), c_col(lane, i)   which C element lane holds in slot i
 //

@@ -50,6 +50,26 @@ MLA_DEVICE void load_b_kn(FragB& b, const bf16_t* p, int ld) {
   b.r[3] = static_cast<short>(q[3 * ld]);
 }
 
+// load_b_kn in two steps: the four 2-byte reads (zero-extended, one VGPR
+// each), then the fragment packed from them.
+struct FragBKn { uint32_t h[4]; };
+MLA_DEVICE void load_b_kn_parts(FragBKn& b, const bf16_t* p, int ld) {
+  const int lane = thread_x() & 63;
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p) + 4 * (lane >> 4) * ld + (lane & 15);
+  b.h[0] = q[0];
+  b.h[1] = q[ld];
+  b.h[2] = q[2 * ld];
+  b.h[3] = q[3 * ld];
+}
+MLA_DEVICE FragB b_of(const FragBKn& b) {
+  FragB f;
+  f.r[0] = static_cast<short>(b.h[0]);
+  f.r[1] = static_cast<short>(b.h[1]);
+  f.r[2] = static_cast<short>(b.h[2]);
+  f.r[3] = static_cast<short>(b.h[3]);
+  return f;
+}
+
 using half4_t = __attribute__((ext_vector_type(4))) _Float16;
 
 // C += A * B; kF16: the fragments hold fp16 (v_mfma_f32_16x16x16f16), else bf16.

@@ -68,6 +68,10 @@ MLA_DEVICE void load_b_kn(FragB& b, const bf16_t* p, int ld) {
   ldmatrix_x4_trans(b.r, p + (lane & 15) * ld + 8 * (lane >> 4));
 }
 
+using FragBKn = FragB;
+MLA_DEVICE void load_b_kn_parts(FragBKn& b, const bf16_t* p, int ld) { load_b_kn(b, p, ld); }
+MLA_DEVICE const FragB& b_of(const FragBKn& b) { return b; }
+
 #define MLA_MMA_SYNC_M16N8K16(TYPE, c0, c1, c2, c3, b0, b1)                                      \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                   \
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                          \

@@ -376,6 +376,39 @@ MLA_DEVICE void store_c(const mma::FragC& c, float* dst, int ld, int lane) {
   }
 }
 
+#if MLA_AMD || defined(MLA_PORTABLE_PREFETCH)
+// Steps 0..kSteps-1 of a product, each step's B fragment (as read: Frag)
+// read kAhead steps before its MFMAs: load(i, frag) reads step i's, use(i,
+// frag) multiplies.
+// On AMD the schedule is pinned to that order (kFirstReads LDS reads, then
+// per step the kReads of step i + kAhead and the kMfmas of step i): LLVM's
+// own, with or without iglp_opt, read each fragment right before its MFMAs
+// and waited for it, an LDS round trip per step (scores at 64 rows, P V at 16
+// and 32). NVIDIA keeps the plain loops (this source changes their SASS;
+// -DMLA_PORTABLE_PREFETCH builds it there, to test it).
+template <int kSteps, int kFirstReads, int kReads, int kMfmas, typename Frag, typename Load, typename Use>
+MLA_DEVICE void steps_read_ahead(Load load, Use use) {
+  constexpr int kAhead = kSteps < 4 ? kSteps : 4;
+  Frag f[kAhead];
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) load(i, f[i]);
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const Frag cur = f[i % kAhead];
+    if (i + kAhead < kSteps) load(i + kAhead, f[i % kAhead]);
+    use(i, cur);
+  }
+#if MLA_AMD
+  __builtin_amdgcn_sched_group_barrier(0x100, kFirstReads + kReads * kAhead, 0);  // the first reads
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    if (i + kAhead < kSteps) __builtin_amdgcn_sched_group_barrier(0x100, kReads, 0);  // step i + kAhead's reads
+    __builtin_amdgcn_sched_group_barrier(0x008, kMfmas, 0);                         // step i's MFMAs
+  }
+#endif
+}
+#endif
+
 // Stage 1: this warp's partial scores over its D slice, for every key of the
 // tile, into s_s[sd][row][key].
 template <typename T, bool kF16>
@@ -389,32 +422,13 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
 #pragma unroll
     for (int mt = 0; mt < T::kSMT; ++mt) mma::zero(acc[mt]);
 #if MLA_AMD || defined(MLA_PORTABLE_PREFETCH)
-    // The key fragments read kAhead k-steps before their MFMAs. On AMD the
-    // schedule is pinned to that order (an LDS read, then the MFMAs of the
-    // step kAhead behind it): LLVM's own, with or without iglp_opt, read each
-    // fragment right before its MFMA and waited for it, one LDS round trip
-    // per k-step. NVIDIA keeps the plain loop (this
-    // one changes its SASS; -DMLA_PORTABLE_PREFETCH builds it there, to test it).
-    constexpr int kAhead = T::kSKS < 4 ? T::kSKS : 4;
-    mma::FragB kf[kAhead];
+    // (one LDS read per key fragment)
+    steps_read_ahead<T::kSKS, 0, 1, T::kSMT, mma::FragB>(
+        [&](int ks, mma::FragB& f) { mma::load_b_nk(f, kb + n * 16 * T::kLd + ks * 16, T::kLd); },
+        [&](int ks, const mma::FragB& f) {
 #pragma unroll
-    for (int ks = 0; ks < kAhead; ++ks) mma::load_b_nk(kf[ks], kb + n * 16 * T::kLd + ks * 16, T::kLd);
-#pragma unroll
-    for (int ks = 0; ks < T::kSKS; ++ks) {
-      const mma::FragB cur = kf[ks % kAhead];
-      if (ks + kAhead < T::kSKS) mma::load_b_nk(kf[ks % kAhead], kb + n * 16 * T::kLd + (ks + kAhead) * 16, T::kLd);
-#pragma unroll
-      for (int mt = 0; mt < T::kSMT; ++mt) mma::mma<kF16>(acc[mt], qf[mt][ks], cur);
-    }
-#if MLA_AMD
-#pragma unroll
-    for (int ks = 0; ks < kAhead; ++ks) __builtin_amdgcn_sched_group_barrier(0x100, 1, 0);  // the first reads
-#pragma unroll
-    for (int ks = 0; ks < T::kSKS; ++ks) {
-      if (ks + kAhead < T::kSKS) __builtin_amdgcn_sched_group_barrier(0x100, 1, 0);  // read of step ks + kAhead
-      __builtin_amdgcn_sched_group_barrier(0x008, T::kSMT, 0);                       // MFMAs of step ks
-    }
-#endif
+          for (int mt = 0; mt < T::kSMT; ++mt) mma::mma<kF16>(acc[mt], qf[mt][ks], f);
+        });
 #else
 #pragma unroll
     for (int ks = 0; ks < T::kSKS; ++ks) {
@@ -553,29 +567,15 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
 #pragma unroll
     for (int mt = 0; mt < T::kPMT; ++mt) mma::load_a(pa[mt], pb + mt * 16 * T::kPLd + kk * 16, T::kPLd);
 #if MLA_AMD || defined(MLA_PORTABLE_PREFETCH)
-    // As in scores: the value fragments (on AMD four 2-byte LDS reads each)
-    // read kAhead column tiles before their MFMAs, the AMD schedule pinned to
-    // that order (LLVM's own waited for each fragment's reads right before its
-    // MFMAs: at 16 and 32 rows one LDS round trip per MFMA).
-    constexpr int kAhead = T::kPNT < 4 ? T::kPNT : 4;
-    mma::FragB vf[kAhead];
+    // (P's fragments first; four 2-byte LDS reads per value fragment on AMD,
+    // packed at their use, so that no read is waited for steps early)
+    steps_read_ahead<T::kPNT, T::kPMT, 4, T::kPMT, mma::FragBKn>(
+        [&](int n, mma::FragBKn& f) { mma::load_b_kn_parts(f, vb + kk * 16 * T::kLd + n * 16, T::kLd); },
+        [&](int n, const mma::FragBKn& f) {
+          const mma::FragB vf = mma::b_of(f);
 #pragma unroll
-    for (int n = 0; n < kAhead; ++n) mma::load_b_kn(vf[n], vb + kk * 16 * T::kLd + n * 16, T::kLd);
-#pragma unroll
-    for (int n = 0; n < T::kPNT; ++n) {
-      const mma::FragB cur = vf[n % kAhead];
-      if (n + kAhead < T::kPNT) mma::load_b_kn(vf[n % kAhead], vb + kk * 16 * T::kLd + (n + kAhead) * 16, T::kLd);
-#pragma unroll
-      for (int mt = 0; mt < T::kPMT; ++mt) mma::mma<kF16>(o[mt][n], pa[mt], cur);
-    }
-#if MLA_AMD
-    __builtin_amdgcn_sched_group_barrier(0x100, T::kPMT + 4 * kAhead, 0);  // P's fragments, the first values
-#pragma unroll
-    for (int n = 0; n < T::kPNT; ++n) {
-      if (n + kAhead < T::kPNT) __builtin_amdgcn_sched_group_barrier(0x100, 4, 0);  // values of tile n + kAhead
-      __builtin_amdgcn_sched_group_barrier(0x008, T::kPMT, 0);                       // MFMAs of tile n
-    }
-#endif
+          for (int mt = 0; mt < T::kPMT; ++mt) mma::mma<kF16>(o[mt][n], pa[mt], vf);
+        });
 #else
 #pragma unroll
     for (int n = 0; n < T::kPNT; ++n) {
