@@ -70,14 +70,12 @@ MLA_DEVICE void copy_wait() {
 #endif
 }
 
-}  // namespace mla
 
 // FP8 latent caches (per-tensor scale): e4m3 values widened to bf16 (exact:
 // every e4m3 value is a bf16 value), in the platform's format:
 // float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD gfx942 (its hardware's
 // FP8). The attention loads the bytes into registers first and widens them
 // on their way into shared memory (attention.cu, fetch_keys / store_keys).
-// Four e4m3 values (a 32-bit word, lowest byte first) -> two bf16 pairs.
 #if MLA_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
 // One e4m3fn byte as bf16 bits, decoded from its fields (GPUs before sm_89
 // have no e4m3 conversion instruction): bias 7, no infinities, S.1111.111 NaN.
@@ -89,6 +87,7 @@ MLA_DEVICE uint32_t e4m3fn_to_bf16_bits(uint32_t b) {
 }
 #endif
 
+// Four e4m3 values (a 32-bit word, lowest byte first) -> two bf16 pairs.
 MLA_DEVICE void fp8x4_to_bf16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
 #if MLA_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   lo = e4m3fn_to_bf16_bits(w & 0xffu) | (e4m3fn_to_bf16_bits((w >> 8) & 0xffu) << 16);
@@ -124,3 +123,5 @@ MLA_DEVICE void store_fp8x8_as_bf16(void* smem_dst, uint2 v) {
   fp8x4_to_bf16x4(v.y, o.z, o.w);
   *reinterpret_cast<uint4*>(smem_dst) = o;
 }
+
+}  // namespace mla

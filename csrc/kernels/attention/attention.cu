@@ -531,33 +531,22 @@ template <typename T, bool kF16>
 MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const float* row_s, const bf16_t* kt,
                    int warp, int lane) {
   const int pm_w = warp % T::kPMW, pn_w = warp / T::kPMW;
-  if constexpr (kLazyRescale) {
-    float a[T::kPMT][mma::kCElems];
-    bool unit = true;
+  float a[T::kPMT][mma::kCElems];
+  bool unit = true;
 #pragma unroll
-    for (int mt = 0; mt < T::kPMT; ++mt)
+  for (int mt = 0; mt < T::kPMT; ++mt)
 #pragma unroll
-      for (int i = 0; i < mma::kCElems; ++i) {
-        a[mt][i] = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
-        unit = unit && a[mt][i] == 1.f;
-      }
-    if (!warp_all(unit)) {  // (uniform: the whole wave skips or rescales)
-#pragma unroll
-      for (int mt = 0; mt < T::kPMT; ++mt)
-#pragma unroll
-        for (int i = 0; i < mma::kCElems; ++i)
-#pragma unroll
-          for (int n = 0; n < T::kPNT; ++n) o[mt][n].v[i] *= a[mt][i];
+    for (int i = 0; i < mma::kCElems; ++i) {
+      a[mt][i] = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
+      unit = unit && a[mt][i] == 1.f;
     }
-  } else {
+  if (!kLazyRescale || !warp_all(unit)) {  // (lazy: uniform, the whole wave skips or rescales)
 #pragma unroll
     for (int mt = 0; mt < T::kPMT; ++mt)
 #pragma unroll
-      for (int i = 0; i < mma::kCElems; ++i) {
-        const float a = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
+      for (int i = 0; i < mma::kCElems; ++i)
 #pragma unroll
-        for (int n = 0; n < T::kPNT; ++n) o[mt][n].v[i] *= a;
-      }
+        for (int n = 0; n < T::kPNT; ++n) o[mt][n].v[i] *= a[mt][i];
   }
   const bf16_t* vb = kt + pn_w * T::kPN;
   const bf16_t* pb = p_s + pm_w * T::kPM * T::kPLd;
