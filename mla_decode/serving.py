@@ -120,6 +120,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if not fp8 and (q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype):
         raise TypeError(f"q and k_cache must both be bfloat16 or both float16 (or k_cache {FP8_KV_DTYPE} with "
                         f"kv_scale), got {q.dtype} and {k_cache.dtype}")
+    scale = _kv_scale(k_cache, kv_scale)  # (required with an fp8 cache, refused without one)
     width = head_dim_v if kpe_cache is not None else d
     if k_cache.dim() == 4 and k_cache.shape[2] != 1:
         raise ValueError(f"k_cache must hold one KV head: [num_blocks, page_block_size, 1, {width}], "
@@ -144,9 +145,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     args = (q, k_cache, cache_seqlens, block_table, None, float(softmax_scale), bool(causal), None, int(head_dim_v),
             kpe_cache)
     if fp8:  # (the portable kernel's fp8 instance; it plans in the call)
-        return torch.ops.mla_decode.attention(*args, None, True, _kv_scale(k_cache, kv_scale))
-    if kv_scale is not None:
-        raise ValueError(f"kv_scale applies to an fp8 k_cache; k_cache is {k_cache.dtype}")
+        return torch.ops.mla_decode.attention(*args, None, True, scale)
     if kpe_cache is None and head_dim_v == 512 and d == 576:  # the shape get_mla_metadata plans for
         try:  # its plan, with the lengths read now and a work counter of this call's own
             return torch.ops.mla_decode.attention(*args, tile_scheduler_metadata)
