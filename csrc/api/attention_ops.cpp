@@ -412,6 +412,7 @@ void enqueue_attention(const AttnCall& c) {
   ap.kv_page_stride = kl.page_stride;
   ap.block_table_stride = kl.bt_stride;
   ap.page_size = static_cast<int>(kl.page_size);
+  ap.page_div = make_page_div(ap.page_size);
   ap.max_len = static_cast<int>(kl.capacity);
   ap.bs = static_cast<int>(bs);
   ap.s_q = static_cast<int>(s_q);

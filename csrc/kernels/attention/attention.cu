@@ -159,8 +159,8 @@ struct Smem {
 
 MLA_DEVICE const bf16_t* kv_row(const AttnParams& p, int b, int t) {
   if (p.block_table == nullptr) return p.kv + b * p.kv_page_stride + t * p.kv_row_stride;
-  const int page = page_id(p.block_table, b * p.block_table_stride + t / p.page_size, p.num_pages);
-  return p.kv + page * p.kv_page_stride + (t % p.page_size) * p.kv_row_stride;
+  const int page = page_id(p.block_table, b * p.block_table_stride + p.page_div.div(t), p.num_pages);
+  return p.kv + page * p.kv_page_stride + p.page_div.mod(t) * p.kv_row_stride;
 }
 
 // Per-head rope scores of tile j into its slot (copy16_async; the register path's companion).
@@ -260,7 +260,7 @@ MLA_DEVICE V load_chunk(const void* src, bool valid) {
 template <typename T>
 MLA_DEVICE int32_t key_page_entry(const AttnParams& p, const Part& pt, int j, int tid) {
   const int t = (pt.tile_begin + j) * T::kBN + tid / T::kLdTpr;
-  return p.block_table != nullptr && t < pt.L ? p.block_table[pt.b * p.block_table_stride + t / p.page_size] : 0;
+  return p.block_table != nullptr && t < pt.L ? p.block_table[pt.b * p.block_table_stride + p.page_div.div(t)] : 0;
 }
 
 template <typename T, bool kFp8>
@@ -276,8 +276,8 @@ MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, int32_t e
   const unsigned char* kpe_row = base;
   if (row_ok) {
     // (an id outside the cache reads page 0, as page_id)
-    const int64_t page = p.block_table == nullptr ? pt.b : entry >= 0 && entry < p.num_pages ? entry : 0;
-    row = base + (page * p.kv_page_stride + (p.block_table == nullptr ? t : t % p.page_size) * p.kv_row_stride) * kE;
+    const int64_t page = p.block_table == nullptr ? pt.b : held_page_id(entry, p.num_pages);
+    row = base + (page * p.kv_page_stride + (p.block_table == nullptr ? t : p.page_div.mod(t)) * p.kv_row_stride) * kE;
     if (!kFp8 && p.kpe != nullptr)
       kpe_row = reinterpret_cast<const unsigned char*>(p.kpe + pt.b * p.kpe_batch_stride +
                                                        static_cast<int64_t>(t) * p.kpe_row_stride);

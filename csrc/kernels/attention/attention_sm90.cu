@@ -496,22 +496,24 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // issued (kStages + 1 pairs ahead), so the load path of a pair never waits
   // on a global read (block-1 pages: one id per row). fetch_id/store_id:
   // entry i of pair jp, in two steps so that the global read's latency
-  // passes under other work.
+  // passes under other work: fetch_id returns the raw entry, store_id holds
+  // it to the cache (held_page_id): held at the read, the compare sat right
+  // after the load in the SASS, so warp 0 waited for the read there.
   const bool paged = p.block_table != nullptr;
   auto fetch_id = [&](int jp, int i) -> int32_t {
     if (!paged || jp >= npairs) return 0;
-    const int key0 = (pt.tile_begin + jp) * T::kTileKeys, e0 = key0 / p.page_size;
-    const int last = (min(key0 + T::kTileKeys, L) - 1) / p.page_size;  // no entry past the length is read
-    return e0 + i <= last ? page_id(p.block_table, b * p.block_table_stride + e0 + i, p.num_pages) : 0;
+    const int key0 = (pt.tile_begin + jp) * T::kTileKeys, e0 = p.page_div.div(key0);
+    const int last = p.page_div.div(min(key0 + T::kTileKeys, L) - 1);  // no entry past the length is read
+    return e0 + i <= last ? p.block_table[b * p.block_table_stride + e0 + i] : 0;
   };
   auto store_id = [&](int jp, int i, int32_t id) {
-    if (paged && jp < npairs) ids_s[(jp % T::kIdRing) * T::kTileKeys + i] = id;
+    if (paged && jp < npairs) ids_s[(jp % T::kIdRing) * T::kTileKeys + i] = held_page_id(id, p.num_pages);
   };
   auto key_row = [&](int jp, int key) -> const bf16_t* {
     if (!paged) return p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
-    const int e = key / p.page_size - ((pt.tile_begin + jp) * T::kTileKeys) / p.page_size;
+    const int e = p.page_div.div(key) - p.page_div.div((pt.tile_begin + jp) * T::kTileKeys);
     return p.kv + static_cast<int64_t>(ids_s[(jp % T::kIdRing) * T::kTileKeys + e]) * p.kv_page_stride +
-           static_cast<int64_t>(key % p.page_size) * p.kv_row_stride;
+           static_cast<int64_t>(p.page_div.mod(key)) * p.kv_row_stride;
   };
   const int rope_chunks = p.rope / 8;  // 16-byte chunks of the rope block read from memory
   // Column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of
@@ -545,9 +547,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         for (int k = key0; k < key0 + T::kHalf; k += maps.rows) {  // one box of `rows` keys per column block
           int row = k, page = b;
           if (paged) {
-            const int e = k / p.page_size - ((pt.tile_begin + jp) * T::kTileKeys) / p.page_size;
+            const int e = p.page_div.div(k) - p.page_div.div((pt.tile_begin + jp) * T::kTileKeys);
             page = ids_s[(jp % T::kIdRing) * T::kTileKeys + e];
-            row = k % p.page_size;
+            row = p.page_div.mod(k);
           }
           unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
           for (int bk = blo; bk < bend; ++bk)
@@ -607,7 +609,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   auto prefetch_pages = [&](int jp) {
     if (!paged || wg != 0 || t >= 4 || jp >= npairs) return;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + 32 * t;
-    if (key < L) prefetch_l2(p.block_table + b * p.block_table_stride + key / p.page_size);
+    if (key < L) prefetch_l2(p.block_table + b * p.block_table_stride + p.page_div.div(key));
   };
 
   // ---- key RoPE of half h of pair jp, in place in its rope block: thread
@@ -1025,9 +1027,9 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
     if (tail && wg == 0 && t < T::kBlocks * 8) {
       const int key = L - 1;
-      const bf16_t* row = paged ? p.kv + static_cast<int64_t>(page_id(p.block_table, b * p.block_table_stride + key / p.page_size, p.num_pages)) *
+      const bf16_t* row = paged ? p.kv + static_cast<int64_t>(page_id(p.block_table, b * p.block_table_stride + p.page_div.div(key), p.num_pages)) *
                                              p.kv_page_stride +
-                                      static_cast<int64_t>(key % p.page_size) * p.kv_row_stride
+                                      static_cast<int64_t>(p.page_div.mod(key)) * p.kv_row_stride
                                 : p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
       if (t < kNB * 8) {
         tail_chunk = *reinterpret_cast<const uint4*>(row + 8 * t);

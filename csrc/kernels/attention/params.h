@@ -12,6 +12,31 @@
 
 namespace mla {
 
+// Division by the page size without a hardware divide (the pair loops map
+// keys to block-table entries and page rows every pair, and an integer
+// division is a chain of about 30 dependent instructions):
+// k / size == (k * magic) >> shift for 0 <= k < 2^31, with shift = 32 +
+// ceil(log2 size) and magic = ceil(2^shift / size) (Granlund and Montgomery,
+// 1994: magic * size - 2^shift < size <= 2^(shift - 32)).
+struct PageDiv {
+  uint64_t magic;
+  int shift;
+  int size;
+  MLA_HOST_DEVICE int div(int k) const {
+    return static_cast<int>((static_cast<uint64_t>(static_cast<uint32_t>(k)) * magic) >> shift);
+  }
+  MLA_HOST_DEVICE int mod(int k) const { return k - div(k) * size; }
+};
+
+// (size >= 1)
+inline PageDiv make_page_div(int size) {
+  int l = 0;
+  while ((int64_t{1} << l) < size) ++l;
+  const int shift = 32 + l;
+  const uint64_t magic = ((uint64_t{1} << shift) + static_cast<uint64_t>(size) - 1) / static_cast<uint64_t>(size);
+  return PageDiv{magic, shift, size};
+}
+
 struct AttnParams {
   const bf16_t* q;            // [bs, s_q, h_q, D], row stride q_row_stride, batch stride q_batch_stride
   const bf16_t* kv;           // latent cache; row t of sequence b lives at
@@ -44,6 +69,7 @@ struct AttnParams {
   int64_t num_pages;          // pages in kv (bs when not paged): block-table ids are held below it
   int64_t kpe_rows;           // rows per sequence in kpe (when kpe is set)
   int page_size;              // rows per page (max_seq_len when not paged)
+  PageDiv page_div;           // make_page_div(page_size): k / page_size and k % page_size in the kernels
   int max_len;                // cache capacity per sequence: lengths are clamped to [0, max_len]
 
   int bs, s_q, h_q;
