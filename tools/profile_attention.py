@@ -1,13 +1,15 @@
 """A few attention calls at bs=128, H=128 for a profiler (ncu) to pick from.
 
     ncu --clock-control none -k regex:attention --launch-skip 2 --launch-count 1 \
-        python3 tools/profile_attention.py 4097 [rope] [--plan-once] [--heads=H]
+        python3 tools/profile_attention.py 4097 [rope] [--plan-once] [--paged] [--heads=H]
     ncu --clock-control none -k regex:flash_fwd_splitkv --launch-skip 2 --launch-count 1 \
         python3 tools/profile_attention.py 4097 --flashmla
 
 One cache [128, L rounded up to 64, 576] bf16 and one q, the same seed for
 both kernels. --plan-once passes a plan made beforehand (as FlashMLA's
-metadata is); --flashmla runs FlashMLA's kernel instead (keys as stored, the
+metadata is); --paged reads the same memory as 64-row pages in order
+through a block table (the serving layout; against the dense read it
+isolates the paged path's cost); --flashmla runs FlashMLA's kernel instead (keys as stored, the
 cache read as 64-row pages in order; needs `import flash_mla` to work, which
 this repository never provides).
 """
@@ -40,8 +42,15 @@ else:
     cs = mla_decode.rope_table(Lp, device="cuda") if rope else None
     plan = torch.ops.mla_decode.plan(sl, 1, H, Lp) if "--plan-once" in sys.argv else None
 
-    def call():
-        mla_decode.mla_attention(q, kv, sl, 0.07, rope_cs=cs, plan=plan)
+    if "--paged" in sys.argv:
+        pages = kv.view(bs * Lp // 64, 64, 576)
+        table = torch.arange(bs * Lp // 64, dtype=torch.int32, device="cuda").view(bs, Lp // 64)
+
+        def call():
+            mla_decode.mla_attention(q, pages, sl, 0.07, block_table=table, rope_cs=cs, plan=plan)
+    else:
+        def call():
+            mla_decode.mla_attention(q, kv, sl, 0.07, rope_cs=cs, plan=plan)
 for _ in range(5):
     call()
 torch.cuda.synchronize()
