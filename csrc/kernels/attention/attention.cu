@@ -449,9 +449,9 @@ struct RowState {
 };
 
 // Lazy rescale (built with -DMLA_PORTABLE_LAZY_RESCALE; off by default on
-// every vendor until it passes the tests on a GPU: on an H200 it failed 14
-// LSE checks by up to 3.2e-3 against 2e-3 while the row sums were those of
-// the bf16-rounded P, now the fp32 P's, as in the Hopper kernel):
+// every vendor until it passes the tests on a GPU: with the row sums of the
+// bf16-rounded P it failed LSE checks, docs/portable.md; it now sums the
+// fp32 P, as the Hopper kernel does):
 // a row's reference max moves only when a tile's max exceeds it by more than
 // kLazyMax (log2 units), as in the Hopper kernel, so after a row's first tile
 // its rescale factor is almost always exactly 1, and P V skips the rescale of

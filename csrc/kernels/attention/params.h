@@ -13,8 +13,8 @@
 namespace mla {
 
 // Division by the page size without a hardware divide (the pair loops map
-// keys to block-table entries and page rows every pair, and an integer
-// division is a chain of about 30 dependent instructions):
+// keys to block-table entries and page rows every pair; an integer division
+// by a runtime value is a long chain of dependent instructions):
 // k / size == (k * magic) >> shift for 0 <= k < 2^31, with shift = 32 +
 // ceil(log2 size) and magic = ceil(2^shift / size) (Granlund and Montgomery,
 // 1994: magic * size - 2^shift < size <= 2^(shift - 32)).
@@ -28,8 +28,9 @@ struct PageDiv {
   MLA_HOST_DEVICE int mod(int k) const { return k - div(k) * size; }
 };
 
-// (size >= 1)
+// (a size below 1, which no valid cache has, maps every key to entry k and row 0 of size 1)
 inline PageDiv make_page_div(int size) {
+  if (size < 1) size = 1;
   int l = 0;
   while ((int64_t{1} << l) < size) ++l;
   const int shift = 32 + l;
