@@ -38,6 +38,12 @@ constexpr at::ScalarType kFp8Dtype = at::kFloat8_e4m3fnuz;
 constexpr at::ScalarType kFp8Dtype = at::kFloat8_e4m3fn;
 #endif
 
+// The scores' factor the kernels take: softmax_scale, times an fp8 cache's
+// per-tensor scale, in log2 units, as float32 (checked as such, then passed).
+float scores_factor_log2(double softmax_scale, double kv_scale) {
+  return static_cast<float>(softmax_scale * kv_scale * 1.4426950408889634);
+}
+
 struct KvLayout {
   int64_t row_stride, page_stride, page_size, capacity, bt_stride;
 };
@@ -218,7 +224,7 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
                  num(dv));
     // (checked as the kernel takes it: float32, and folded into the scores' factor)
     const float o_scale = static_cast<float>(kv_scale);
-    const float s_scale = static_cast<float>(softmax_scale * kv_scale * 1.4426950408889634);
+    const float s_scale = scores_factor_log2(softmax_scale, kv_scale);
     if (!(o_scale > 0.f) || !std::isfinite(o_scale) || !std::isfinite(s_scale))
       fail_value("kv_scale must be a positive number that stays finite and nonzero in float32, also times "
                  "softmax_scale (the fp8 cache's per-tensor scale), got " + num(kv_scale));
@@ -424,7 +430,7 @@ void enqueue_attention(const AttnCall& c) {
   ap.rs_stride = rs_stride;
   ap.dv = static_cast<int>(dv);
   ap.rope = static_cast<int>(rope_in_key);
-  ap.scale_log2 = static_cast<float>(c.softmax_scale * (c.fp8 ? c.kv_scale : 1.0) * 1.4426950408889634);
+  ap.scale_log2 = scores_factor_log2(c.softmax_scale, c.fp8 ? c.kv_scale : 1.0);
   ap.kv_fp8 = c.fp8;
   ap.o_scale = static_cast<float>(c.fp8 ? c.kv_scale : 1.0);
   ap.causal = c.causal && s_q > 1;
