@@ -105,22 +105,39 @@ MLA_DEVICE void combine_row(const CombineParams& p, int b, int n, int first, int
   }
 }
 
+// A sequence's split count, read before pdl_wait: the plan was written by a
+// grid that completed before every block of the attention kernel passed its
+// own pdl_wait, and a dependent combine launches only once they all have
+// (launched in stream order, the wait is a no-op). Through L2, not L1.
+MLA_DEVICE int splits_of(const CombineParams& p, int b) {
+#if MLA_NVIDIA
+  return __ldcg(p.seq_info + 2 * b);
+#else
+  return p.seq_info[2 * b];
+#endif
+}
+
 // kRuns false: a block per (sequence, kCombineWarps tasks), grid (bs, blocks
 // per sequence), where the batch has at most p.max_warps tasks. kRuns true:
 // a grid of p.max_warps warps, each a contiguous run of tasks.
+// A warp waits for the attention (pdl_wait) only before its first merge: the
+// blocks with nothing to merge (sequences the attention wrote) exit as the
+// attention's blocks free their SMs, not after its last one. Block 0 always
+// waits, so that this grid completes after the attention grid: the kernels
+// after the call (a dependent one too) find its output written.
 template <int kDv, bool kF16, bool kRuns>
 __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const CombineParams p) {
   using C = CombineShape<kDv>;
-  pdl_wait();  // (a dependent launch: the attention kernel's partials are visible from here)
   const int warp = thread_x() / kWarpSize, lane = thread_x() % kWarpSize;
   if constexpr (!kRuns) {
     const int b = block_x();
-    const int n = p.seq_info[2 * b];
-    if (p.skip_single_split && n == 1) return;  // written by the attention kernel
+    const int n = splits_of(p, b);
     const int task = block_y() * kCombineWarps + warp;
-    if (task >= p.rows * C::kChunks) return;
-    combine_row<kDv, kF16>(p, b, n, p.seq_info[2 * b + 1], task / C::kChunks,
-                           (task % C::kChunks) * C::kCols + lane * C::kV, lane);
+    if (!(p.skip_single_split && n == 1) && task < p.rows * C::kChunks) {
+      pdl_wait();  // (the attention kernel's partials are visible from here)
+      combine_row<kDv, kF16>(p, b, n, p.seq_info[2 * b + 1], task / C::kChunks,
+                             (task % C::kChunks) * C::kCols + lane * C::kV, lane);
+    }
   } else {
     // (32-bit: launch_combine_dv refuses a batch of 2^30 tasks or more)
     const int per_seq = p.rows * C::kChunks, tasks = per_seq * p.bs;
@@ -130,17 +147,19 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
 #pragma unroll 1
     for (int t = w * per_warp; t < end;) {
       const int b = t / per_seq;
-      const int n = p.seq_info[2 * b];
+      const int n = splits_of(p, b);
       if (p.skip_single_split && n == 1) {
         t = (b + 1) * per_seq;
         continue;
       }
+      pdl_wait();  // (returns at once after the first time)
       const int task = t - b * per_seq;
       combine_row<kDv, kF16>(p, b, n, p.seq_info[2 * b + 1], task / C::kChunks,
                              (task % C::kChunks) * C::kCols + lane * C::kV, lane);
       ++t;
     }
   }
+  if (block_x() == 0 && block_y() == 0) pdl_wait();
 }
 
 // The merge: thread i takes piece i % per_row of row i / per_row, a piece
