@@ -448,18 +448,18 @@ struct RowState {
   float m, l;
 };
 
-// Lazy rescale (built with -DMLA_PORTABLE_LAZY_RESCALE; off by default on
-// every vendor until it passes the tests on a GPU: with the row sums of the
-// bf16-rounded P it failed LSE checks, docs/portable.md; it now sums the
-// fp32 P, as the Hopper kernel does):
-// a row's reference max moves only when a tile's max exceeds it by more than
-// kLazyMax (log2 units), as in the Hopper kernel, so after a row's first tile
-// its rescale factor is almost always exactly 1, and P V skips the rescale of
-// O where a wave's factors all are. P = exp2(s - ref) stays <= 2^kLazyMax;
-// O, the sums and the LSE are exact for any reference. On gfx942 O lives in
-// AGPRs: its rescale is a read, a multiply and a write back per element (about
-// 320 instructions a tile at 64 rows beside 68 MFMAs).
-#if defined(MLA_PORTABLE_LAZY_RESCALE)
+// Lazy rescale (gfx942; -DMLA_PORTABLE_LAZY_RESCALE builds it elsewhere, to
+// test it): a row's reference max moves only when a tile's max exceeds it by
+// more than kLazyMax (log2 units), as in the Hopper kernel, so after a row's
+// first tile its rescale factor is almost always exactly 1, and P V skips the
+// rescale of O where a wave's factors all are. P = exp2(s - ref) stays <=
+// 2^kLazyMax; O, the sums and the LSE are exact for any reference, and the row
+// sums add the fp32 P (the sums of the bf16-rounded P, with the row's largest
+// P rounded too, failed LSE checks). On gfx942 O lives in AGPRs: its rescale
+// is a read, a multiply and a write back per element (about 320 instructions
+// a tile at 64 rows beside 68 MFMAs). On NVIDIA a skipped rescale measured
+// slower (docs/not_kept.md): the exact max there.
+#if MLA_AMD || defined(MLA_PORTABLE_LAZY_RESCALE)
 constexpr bool kLazyRescale = true;
 #else
 constexpr bool kLazyRescale = false;
