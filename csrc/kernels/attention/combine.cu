@@ -144,10 +144,13 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
     const int per_warp = (tasks + p.max_warps - 1) / p.max_warps;
     const int w = block_x() * kCombineWarps + warp;
     const int end = min(tasks, (w + 1) * per_warp);
+    int b = -1, n = 0;  // (a warp's run rarely spans two sequences: their count read once each)
 #pragma unroll 1
     for (int t = w * per_warp; t < end;) {
-      const int b = t / per_seq;
-      const int n = splits_of(p, b);
+      if (t / per_seq != b) {
+        b = t / per_seq;
+        n = splits_of(p, b);
+      }
       if (p.skip_single_split && n == 1) {
         t = (b + 1) * per_seq;
         continue;
