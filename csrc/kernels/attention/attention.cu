@@ -456,9 +456,9 @@ struct RowState {
 // 2^kLazyMax; O, the sums and the LSE are exact for any reference, and the row
 // sums add the fp32 P (the sums of the bf16-rounded P, with the row's largest
 // P rounded too, failed LSE checks). On gfx942 O lives in AGPRs: its rescale
-// is a read, a multiply and a write back per element (about 320 instructions
-// a tile at 64 rows beside 68 MFMAs). On NVIDIA a skipped rescale measured
-// slower (docs/not_kept.md): the exact max there.
+// is a read, a multiply and a write back per element (docs/portable.md). On
+// NVIDIA a skipped rescale measured slower (docs/not_kept.md): the exact max
+// there.
 #if MLA_AMD || defined(MLA_PORTABLE_LAZY_RESCALE)
 constexpr bool kLazyRescale = true;
 #else
