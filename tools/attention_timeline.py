@@ -1,0 +1,97 @@
+"""The attention calls' kernels on the device timeline, as engines run them:
+10 calls captured in one CUDA graph (rotating over cache sets), replayed 5
+times under torch.profiler; per kernel its mean duration, per call the span
+from the first kernel's start to the last one's end, and the gaps between
+consecutive kernels (negative: a programmatic dependent launched early and
+waited). The plan (FlashMLA: its metadata) is made once; the cache is read as
+64-row pages in order. FlashMLA's kernels beside ours when `import
+flash_mla` works (never part of this repository), unless NO_FM=1.
+
+    python3 tools/attention_timeline.py h_q:L[:bs] ...     (bs 128 unless given)
+"""
+import collections
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench_attention as ba  # noqa: E402
+import mla_decode  # noqa: E402
+
+fm = None
+if not os.environ.get("NO_FM"):
+    try:
+        import flash_mla as fm
+    except ImportError:
+        fm = None
+
+
+def capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+for a in sys.argv[1:]:
+    h_q, L, *rest = map(int, a.split(":"))
+    bs = rest[0] if rest else 128
+    n = ba.n_sets(bs, L, h_q, ("no",))
+    sets = ba.make_sets(n, bs, L, h_q, ("no",), "cuda")
+    seqlens = torch.full((bs,), L, dtype=torch.int32, device="cuda")
+    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, ba.pad(L))
+    out = torch.empty(bs, 1, h_q, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(bs, h_q, 1, device="cuda")
+    pg = [ba.pages_of(kv) for _, kv, _ in sets]
+
+    def ours():
+        for j in range(10):
+            mla_decode.mla_attention(sets[j % n][0], pg[j % n][0], seqlens, ba.SCALE, block_table=pg[j % n][1],
+                                     out=out, lse=lse, plan=plan)
+
+    runs = [("ours", ours)]
+    if fm is not None:
+        meta = fm.get_mla_metadata(seqlens, h_q, 1)
+
+        def theirs():
+            for j in range(10):
+                fm.flash_mla_with_kvcache(sets[j % n][0], pg[j % n][0], pg[j % n][1], seqlens, 512, meta[0], meta[1],
+                                          softmax_scale=ba.SCALE, causal=False)
+
+        runs.append(("FlashMLA", theirs))
+    for name, fn in runs:
+        g = capture(fn)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                g.replay()
+            torch.cuda.synchronize()
+        ev = sorted([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
+                    key=lambda e: e.time_range.start)
+        dur = collections.defaultdict(list)
+        for e in ev:
+            dur[e.name[:60]].append(e.time_range.end - e.time_range.start)
+        span = (ev[-1].time_range.end - ev[0].time_range.start) / 50
+        busy = sum(e.time_range.end - e.time_range.start for e in ev) / 50
+        gaps = collections.defaultdict(list)
+        for x, y in zip(ev, ev[1:]):
+            gaps[(x.name[:25], y.name[:25])].append(y.time_range.start - x.time_range.end)
+        print(f"{name} h_q {h_q} L {L} bs {bs} parts {int(plan[0])}: span/call {span:.1f} us, "
+              f"kernel busy/call {busy:.1f} us")
+        for k, v in dur.items():
+            print(f"   {len(v):4d} x {sum(v) / len(v):8.2f} us  {k}")
+        for k, v in gaps.items():
+            print(f"   gap {len(v):4d} x {sum(v) / len(v):6.2f} us  {k[0]} -> {k[1]}")
+        del g
+    del sets, pg
+    torch.cuda.empty_cache()
