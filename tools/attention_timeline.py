@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_attention as ba  # noqa: E402
+import common  # noqa: E402
 import mla_decode  # noqa: E402
 
 fm = None
@@ -26,19 +27,6 @@ if not os.environ.get("NO_FM"):
         import flash_mla as fm
     except ImportError:
         fm = None
-
-
-def capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 for a in sys.argv[1:]:
@@ -68,7 +56,7 @@ for a in sys.argv[1:]:
 
         runs.append(("FlashMLA", theirs))
     for name, fn in runs:
-        g = capture(fn)
+        g = common._capture(fn)
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
