@@ -124,6 +124,39 @@ def test_serving_graph_capture_replays_new_lengths_and_tables():
         check(out, lse, ro.double(), rl.double(), f"graph replay, lengths {lens}")
 
 
+def test_serving_graph_of_several_layers_replayed_many_times():
+    """Several calls on one metadata captured in one graph (a decode step's
+    layers), replayed again and again on new data: each captured call's work
+    counter must start every replay at zero (every item taken once), also
+    after many replays, whatever the kernel keeps between them."""
+    torch.manual_seed(1)
+    lens = [900, 65, 1, 2049, 300]
+    layers = 3
+    cases = [make_paged(lens, 64, h_q=128, s_q=1, seed=40 + i) for i in range(layers)]
+    seqlens = cases[0][3]
+    meta, splits = get_mla_metadata(seqlens, 128, 1)  # outside the graph
+    outs = [None] * layers
+    for i, (q, pages, table, _) in enumerate(cases):  # warm-up
+        flash_mla_with_kvcache(q, pages.unsqueeze(2), table, seqlens, 512, meta, splits)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i, (q, pages, table, _) in enumerate(cases):
+            outs[i] = flash_mla_with_kvcache(q, pages.unsqueeze(2), table, seqlens, 512, meta, splits)
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    for rep in range(6):
+        for q, _, _, _ in cases:
+            q.copy_(torch.randn(q.shape, device="cuda", generator=gen).to(q.dtype))
+        for out, lse in outs:
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, (q, pages, table, _) in enumerate(cases):
+            ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, dtype=torch.float32)
+            check(outs[i][0], outs[i][1], ro.double(), rl.double(), f"replay {rep}, layer {i}")
+
+
 def test_serving_metadata_of_other_lengths_and_shared_by_streams():
     """The call uses get_mla_metadata's plan (no planner launch) but reads
     the lengths as they are now: metadata made for other lengths (longer,

@@ -139,7 +139,10 @@ at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t cap
                " capacity=" + num(capacity));
   c10::cuda::CUDAGuard guard(seqlens.device());
   const DeviceAttnInfo& info = device_attn_info(seqlens.device().index(), detail::kDv, detail::kRope, false, s_q * h_q);
-  return make_plan(seqlens, s_q, h_q, capacity, info, at::cuda::getCurrentCUDAStream().stream(), split).plan;
+  const stream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  // (the counter pool of the calls a graph will capture with this plan: looked up outside a capture)
+  if (info.kind == AttnKernel::kHopper && !capturing(stream)) prepare_counter_pool(seqlens.device().index());
+  return make_plan(seqlens, s_q, h_q, capacity, info, stream, split).plan;
 }
 
 PlanParams step_plan_params(int device, int64_t bs, int64_t h_q, int64_t capacity, bool split, int64_t* plan_elems) {
@@ -402,14 +405,20 @@ void enqueue_attention(const AttnCall& c) {
   ap.plan = plan.data_ptr<int32_t>();
   // a plan made before this call: the lengths as they are now, and a work
   // counter of the call's own (the plan may serve calls on other streams at once)
+  // (a captured call takes a pair that stays zeroed from replay to replay: no zeroing launch in the graph)
   at::Tensor counter;
+  const bool cap = c.capturing >= 0 ? c.capturing == 1 : capturing(stream);
   if (plan_in.has_value() && !c.plan_fresh) {
     ap.live_lens = true;
     if (info.kind == AttnKernel::kHopper) {
-      counter = at::empty({2}, plan.options());
-      ap.counter = counter.data_ptr<int32_t>();
-      // (zeroed by a programmatic dependent: at::zeros's fill kernel held the attention's launch back)
-      check_launch(launch_zero_pair(ap.counter, sm90_pdl_enabled(), stream), "work counter");
+      if (!cap) prepare_counter_pool(device);
+      ap.counter = cap ? captured_counter_pair(device) : nullptr;
+      if (ap.counter == nullptr) {
+        counter = at::empty({2}, plan.options());
+        ap.counter = counter.data_ptr<int32_t>();
+        // (zeroed by a programmatic dependent: at::zeros's fill kernel held the attention's launch back)
+        check_launch(launch_zero_pair(ap.counter, sm90_pdl_enabled(), stream), "work counter");
+      }
     }
   }
   ap.q_row_stride = q.stride(2);
@@ -439,7 +448,6 @@ void enqueue_attention(const AttnCall& c) {
     const BoundedLayout bl{ap.kv,   ap.kv_row_stride,  ap.kv_page_stride,   ap.max_len, ap.bs, ap.dv + ap.rope,
                            ap.kpe,  ap.kpe_row_stride, ap.kpe_batch_stride, ap.kpe_rows, ap.rope};
     // (none while the stream captures: a graph would keep a table's address past its drop)
-    const bool cap = c.capturing >= 0 ? c.capturing == 1 : capturing(stream);
     at::Tensor table;
     if (!cap) {
       try {

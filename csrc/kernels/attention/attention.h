@@ -42,6 +42,14 @@ const char* launch_set_len(int32_t* slot, int v, int step, stream_t stream);  //
 // one-thread launch; with pdl, as a programmatic dependent of the kernel
 // before it, so that a dependent attention's prologue is not held back.
 const char* launch_zero_pair(int32_t* pair, bool pdl, stream_t stream);
+// Work-counter pairs for calls captured in CUDA graphs: prepare_counter_pool
+// looks the pool up on device `device` (the current one), outside a capture;
+// captured_counter_pair then hands out a zeroed pair that the call keeps for
+// the graph's life (the attention leaves it zeroed after every launch), or
+// nullptr (pool not prepared or used up, other vendors): the call then zeroes
+// a pair of its own.
+void prepare_counter_pool(int device);
+int32_t* captured_counter_pair(int device);
 const char* launch_rope_scores(const RopeScoreParams& p, stream_t stream);
 const char* launch_combine(const CombineParams& p, stream_t stream);
 // CombineParams::max_warps per SM/CU for the attention's own combine (most

@@ -3,6 +3,8 @@
 // lengths (no host synchronisation, so it is captured with the call).
 // Shared by the portable and the Hopper attention kernel.
 #include <algorithm>
+#include <mutex>
+#include <unordered_map>
 
 #include "../../platform/vendor.h"
 
@@ -210,6 +212,14 @@ __global__ void set_len_kernel(int32_t* slot, int v, int step) {
   slot[1] = step;
 }
 
+// Work-counter pairs for calls captured in CUDA graphs (AttnParams::counter),
+// zero at module load. A captured call keeps its pair for the graph's life;
+// the kernel's last block leaves it zeroed (release_plan), so every replay
+// starts at zero with no zeroing launch. A graph executable never runs
+// concurrently with itself, so no two launches share a pair.
+constexpr int kCounterPoolPairs = 1 << 16;
+__device__ int32_t g_counter_pool[2 * kCounterPoolPairs];
+
 // Zeroes a call's work-counter pair (AttnParams::counter). The dependent
 // attention may launch at once (its own pdl_wait then waits for this grid);
 // the writes wait for the kernel before it, which may still be using the
@@ -230,6 +240,44 @@ const char* launch_zero_pair(int32_t* pair, bool pdl, stream_t stream) {
   (void)pdl;
   zero_pair_kernel<<<1, 1, 0, stream>>>(pair);
   return last_launch_error();
+#endif
+}
+
+#if MLA_NVIDIA
+namespace {
+struct CounterPool {
+  int32_t* base = nullptr;  // g_counter_pool on the device (nullptr: not looked up)
+  int used = 0;             // pairs handed out
+};
+std::mutex g_pool_mu;
+std::unordered_map<int, CounterPool> g_pools;  // by device index
+}  // namespace
+#endif
+
+void prepare_counter_pool(int device) {
+#if MLA_NVIDIA
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  CounterPool& pool = g_pools[device];
+  if (pool.base != nullptr) return;
+  void* addr = nullptr;
+  if (cudaGetSymbolAddress(&addr, g_counter_pool) == cudaSuccess)
+    pool.base = static_cast<int32_t*>(addr);
+  else
+    (void)cudaGetLastError();  // (the calls then zero a pair of their own)
+#else
+  (void)device;
+#endif
+}
+
+int32_t* captured_counter_pair(int device) {
+#if MLA_NVIDIA
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  auto it = g_pools.find(device);
+  if (it == g_pools.end() || it->second.base == nullptr || it->second.used >= kCounterPoolPairs) return nullptr;
+  return it->second.base + 2 * it->second.used++;
+#else
+  (void)device;
+  return nullptr;
 #endif
 }
 
