@@ -217,8 +217,10 @@ __global__ void set_len_kernel(int32_t* slot, int v, int step) {
 // the kernel's last block leaves it zeroed (release_plan), so every replay
 // starts at zero with no zeroing launch. A graph executable never runs
 // concurrently with itself, so no two launches share a pair.
+#if MLA_NVIDIA
 constexpr int kCounterPoolPairs = 1 << 16;
 __device__ int32_t g_counter_pool[2 * kCounterPoolPairs];
+#endif
 
 // Zeroes a call's work-counter pair (AttnParams::counter). The dependent
 // attention may launch at once (its own pdl_wait then waits for this grid);
