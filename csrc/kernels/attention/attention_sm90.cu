@@ -278,7 +278,7 @@ MLA_DEVICE void store_p(unsigned char* blk, const uint32_t (&pa)[16], int r0, in
 }
 
 // The stages of a work item that need no more than their arguments (the
-// kernel's others are lambdas over its state).
+// others are members of Sm90Block, over the block's state).
 
 // Latent column blocks [nlat, kNB) of Q and of every key buffer to zero (dv
 // 64 on the dv 128 instance: set once, never loaded).
@@ -382,68 +382,32 @@ MLA_DEVICE void release_plan(const AttnParams& p, int32_t* ctr, int tid) {
     }
   }
 }
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// kF16: q, kv and o hold fp16 (else bf16; on-the-fly key RoPE only then).
-// kDv: value width (128, 256, 512).
-// kPH: per-head rope keys (MHA2MLA): the key is the dv latent columns alone;
-// the rope part of every score comes precomputed (p.rope_scores,
-// launch_rope_scores) and is added to S. A work item then covers 32 query
-// rows (the wgmma's other 32 rows compute nothing that is kept), so that the
-// score tile of a half (32 rows x 64 keys fp32: two 128B-swizzled boxes of 32
-// keys, 8 KB) fits the rope block, where that half's P is stored after the
-// softmax.
-// The body, in order: setup; the work item's state and helpers; the stages
-// of a work item (named lambdas); the work-item loop, which runs them.
+// One block of attention_sm90_kernel past its setup: the state of its work
+// items and the stages that run them, as member functions (run: the
+// work-item loop). Its members are the setup's values (shared-memory
+// carve-up, thread indices) and the item state; everything is inlined into
+// the kernel.
 template <bool kF16, int kDv, bool kPH>
-__global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
-    attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+struct Sm90Block {
   using T = PairTile<kDv>;
-  constexpr int kNB = T::kNB, kHB = T::kHalfNB;
+  static constexpr int kNB = T::kNB, kHB = T::kHalfNB;
   using E = Half16<kF16>;
-  // ==== Setup: the shared-memory carve-up, thread indices, mbarriers, and the
-  // latent blocks dv 64 leaves zero
-  extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
-  // 1 KB aligned (swizzle atoms), by an offset from the shared array so that
-  // the compiler keeps the address space (shared loads/stores, not generic)
-  unsigned char* smem =
-      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
-  unsigned char* q_s = smem;
-  constexpr int kStages = T::kStages;
-  unsigned char* k_s = q_s + T::kMatBytes;  // per stage: K0, then K1
-  float* s_m = reinterpret_cast<float*>(k_s + 2 * kStages * T::kMatBytes);  // shared running max [64]
-  float* s_l = s_m + T::kM;                                                   // row sums of both warpgroups [2][64]
-  uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);                // [kStages][4], then Q's
-  uint64_t* qbar = mb + 4 * kStages;
-  int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4 * kStages + 2);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
-  int* s_next = reinterpret_cast<int*>(ids_s + T::kIdRing * T::kTileKeys);  // the block's next work item
-  unsigned char* tail_s = reinterpret_cast<unsigned char*>(s_next + 4);  // the tail key's row (16-byte aligned)
-  float* s_t = reinterpret_cast<float*>(tail_s + T::kBlocks * 128);        // its scores, per row [64]
-
-  const int tid = thread_x();
-  // warpgroup index, made visibly warp-uniform for the compiler (a per-thread
-  // value would make every branch on it divergent and serialize the wgmmas)
-  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), t = tid % 128;
-  const int warp = t / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's rows in the S / O layouts
-
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < 4 * kStages; ++i) wg::mbar_init(&mb[i], 128);
-    wg::mbar_init(qbar, 1);
-    wg::fence_proxy_async();  // the initialised barriers -> the TMA unit (thread 0 may issue Q before the first barrier)
-  }
-  // Latent column blocks read from memory: kNB, or 1 for dv 64, which runs
-  // on the dv 128 instance with latent block 1 of Q and of every key buffer
-  // zero (set once here, never loaded): the scores and warpgroup 0's
-  // columns are exact, warpgroup 1's columns are zeros and never written
-  // out, and the memory read is dv 64's.
-  // (The epilogue stages O in the key buffers, so it zeroes them again.)
-  const int dvm = kDv == 128 ? p.dv : kDv;  // value width in memory (compile-time but for the dv 128 instance)
-  const int nlat = dvm / 64;
-  if (nlat < kNB) zero_dead_blocks<T>(q_s, nlat, tid);
-  pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
+  static constexpr int kStages = T::kStages;
+  const AttnParams& p;
+  const TmaMaps& maps;
+  unsigned char* const q_s;
+  unsigned char* const k_s;
+  float* const s_m;
+  float* const s_l;
+  uint64_t* const mb;
+  uint64_t* const qbar;
+  int32_t* const ids_s;
+  int* const s_next;
+  unsigned char* const tail_s;
+  float* const s_t;
+  const int tid, wg, t, warp, lane, g, t4, r0, r1;
+  const int dvm, nlat;
 
   // ==== The work item's state, and the helpers the stages use: pair stages and
   // buffers, page ids, key-half loads, key RoPE, descriptors, S issue, per-head scores
@@ -451,39 +415,39 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // Work items: item w = (part w / hblocks, head block w % hblocks). A block
   // starts with item blockIdx.x; persistent launches (p.ctas > 0: one block
   // per resident slot) take further items from the plan's work counter, one
-  // pair before the current item ends. The item's state, read by the lambdas:
-  constexpr int kRB = kPH ? 32 : T::kM;  // query rows of a work item
+  // pair before the current item ends. The item's state, read by the stages:
+  static constexpr int kRB = kPH ? 32 : T::kM;  // query rows of a work item
   const int hblocks = (p.rows + kRB - 1) / kRB;
   Part pt{};
   int b = 0, L = 0, npairs = 0, row_base = 0;
   int gbase = 0;  // pairs of this block's earlier items: the mbarrier phases run on across items
   const CUtensorMap* bnd_kv = nullptr;  // the item's length-bounded kv map (kpe's follows it), or none
   // the sequence of work item w, or -1 past the plan
-  auto item_seq = [&](int w) -> int {
+  MLA_DEVICE int item_seq(int w) {
     return w >= 0 && w / hblocks < p.plan[0] ? p.plan[plan_part_base(p.bs) + kPartInts * (w / hblocks)] : -1;
-  };
+  }
   // Q of rows [rb, rb + 64) of sequence qb by TMA (thread 0 of warpgroup 0),
   // completing qbar's next phase
-  auto issue_q = [&](int qb, int rb) {
+  MLA_DEVICE void issue_q(int qb, int rb) {
     wg::mbar_arrive_expect_tx(qbar, (nlat + 1) * T::kBlockBytes);
     for (int i = 0; i < nlat; ++i) wg::tma_load_3d(q_s + i * T::kBlockBytes, &maps.q, 64 * i, rb, qb, qbar);
     wg::tma_load_3d(q_s + kNB * T::kBlockBytes, &maps.q, dvm, rb, qb, qbar);  // the rope block
-  };
+  }
   int nitem = 0;        // work items this block has started (Q's mbarrier parity)
   bool q_ready = false;  // the current item's Q was issued during the previous item
   // the work counter and done count: the call's own, or the plan's (read-only but for them)
   int32_t* const ctr = p.counter != nullptr ? p.counter : const_cast<int32_t*>(p.plan) + plan_counter(p.bs, p.max_parts);
-  auto grab = [&]() -> int {
+  MLA_DEVICE int grab() {
     return p.ctas > 0 ? atomicAdd(ctr, 1) +
                             static_cast<int>(gridDim.x)
                       : -1;
-  };
+  }
   // pair jp's stage: its key buffers, mbarriers (completing once per use:
   // parity ((gbase + jp) / kStages) & 1) and the byte offset of its buffers
-  auto stage = [&](int jp) { return kStages == 1 ? 0 : (gbase + jp) % kStages; };
-  auto kbuf = [&](int jp) { return k_s + stage(jp) * 2 * T::kMatBytes; };
-  auto mbar = [&](int jp, int which) { return &mb[4 * stage(jp) + which]; };
-  auto soff = [&](int jp) { return static_cast<uint64_t>(stage(jp) * 2 * T::kMatBytes) >> 4; };  // descriptor units
+  MLA_DEVICE int stage(int jp) { return kStages == 1 ? 0 : (gbase + jp) % kStages; }
+  MLA_DEVICE unsigned char* kbuf(int jp) { return k_s + stage(jp) * 2 * T::kMatBytes; }
+  MLA_DEVICE uint64_t* mbar(int jp, int which) { return &mb[4 * stage(jp) + which]; }
+  MLA_DEVICE uint64_t soff(int jp) { return static_cast<uint64_t>(stage(jp) * 2 * T::kMatBytes) >> 4; }  // descriptor units
 
   // ---- loads. Thread (lr, lc) of a warpgroup copies rows lr + 16 i of a
   // half, 16-byte chunk lc of each column block it is given: per instruction a
@@ -500,21 +464,21 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // it to the cache (held_page_id): held at the read, the compare sat right
   // after the load in the SASS, so warp 0 waited for the read there.
   const bool paged = p.block_table != nullptr;
-  auto fetch_id = [&](int jp, int i) -> int32_t {
+  MLA_DEVICE int32_t fetch_id(int jp, int i) {
     if (!paged || jp >= npairs) return 0;
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys, e0 = p.page_div.div(key0);
     const int last = p.page_div.div(min(key0 + T::kTileKeys, L) - 1);  // no entry past the length is read
     return e0 + i <= last ? p.block_table[b * p.block_table_stride + e0 + i] : 0;
-  };
-  auto store_id = [&](int jp, int i, int32_t id) {
+  }
+  MLA_DEVICE void store_id(int jp, int i, int32_t id) {
     if (paged && jp < npairs) ids_s[(jp % T::kIdRing) * T::kTileKeys + i] = held_page_id(id, p.num_pages);
-  };
-  auto key_row = [&](int jp, int key) -> const bf16_t* {
+  }
+  MLA_DEVICE const bf16_t* key_row(int jp, int key) {
     if (!paged) return p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
     const int e = p.page_div.div(key) - p.page_div.div((pt.tile_begin + jp) * T::kTileKeys);
     return p.kv + static_cast<int64_t>(ids_s[(jp % T::kIdRing) * T::kTileKeys + e]) * p.kv_page_stride +
            static_cast<int64_t>(p.page_div.mod(key)) * p.kv_row_stride;
-  };
+  }
   const int rope_chunks = p.rope / 8;  // 16-byte chunks of the rope block read from memory
   // Column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of
   // pair jp, completing mbarrier `bar` when they have landed. A half whose 64 keys are all below the length goes by TMA where the host
@@ -526,7 +490,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // which zero-fills the rows past the length, and an empty half loads nothing.
   // (Thread 0 issues the boxes of small pages too: spreading them over threads
   // helps small pages but slows the common 64-row path; docs/not_kept.md.)
-  auto load_half = [&](int jp, int h, int blo, int bhi, bool with8, int bar) {
+  MLA_DEVICE void load_half(int jp, int h, int blo, int bhi, bool with8, int bar) {
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf;
     const bool full = key0 + T::kHalf <= L;
     if (maps.use && (full || (bnd_kv != nullptr && key0 < L))) {
@@ -601,16 +565,16 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       }
     }
     wg::cp_async_arrive(mbar(jp, bar));
-  };
+  }
 
   // Block-table entries of pair jp into L2 ahead of their use (paged caches),
   // so that fetch_id (one pair later) finds them there: a pair's 128 entries
   // are 4 lines for one-row pages. Threads 0-3 of warpgroup 0, 32 keys each.
-  auto prefetch_pages = [&](int jp) {
+  MLA_DEVICE void prefetch_pages(int jp) {
     if (!paged || wg != 0 || t >= 4 || jp >= npairs) return;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + 32 * t;
     if (key < L) prefetch_l2(p.block_table + b * p.block_table_stride + p.page_div.div(key));
-  };
+  }
 
   // ---- key RoPE of half h of pair jp, in place in its rope block: thread
   // (row t/2, hh = t%2) rotates pairs (j, j + 32) for j in [16 hh, 16 hh + 16).
@@ -619,7 +583,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // half h of pair jp: [cos, sin] of pairs 16 hh .. 16 hh + 7, then of
   // 16 hh + 8 .. 16 hh + 15. Loaded at the start of the half's S, so that
   // their latency passes under the first group's wait and k-steps.
-  auto load_cs = [&](int jp, int h, uint4 (&cs)[4]) {
+  MLA_DEVICE void load_cs(int jp, int h, uint4 (&cs)[4]) {
     const int row = t / 2, hh = t % 2;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
     if (rope && key < L) {
@@ -630,8 +594,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         cs[2 * c + 1] = ld_global_nc(src + 4 + 2 * hh + c);
       }
     }
-  };
-  auto rotate_half = [&](int jp, int h, const uint4 (&cs)[4]) {
+  }
+  MLA_DEVICE void rotate_half(int jp, int h, const uint4 (&cs)[4]) {
     const int row = t / 2, hh = t % 2;
     const int key = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf + row;
     if (key < L) {
@@ -653,7 +617,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     }
     wg::fence_proxy_async();
     wg::named_sync(kBarWg0 + wg, 128);
-  };
+  }
 
   // Descriptors of stage 0 (+ soff(jp) for pair jp). Those of the key and
   // value halves and of P are made from the warpgroup as a compile-time
@@ -666,23 +630,27 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // add per k-step instead of being split the same way.
   const uint64_t dq = wg::desc_sw128(q_s, 16, 1024) + (static_cast<uint64_t>(static_cast<uint32_t>(p.h_q) >> 30) << 32);
   // the warpgroup's key half (S's B operand)
-  auto dk_of = [&](auto kW1) { return wg::desc_sw128(k_s + (decltype(kW1)::value ? T::kMatBytes : 0), 16, 1024); };
+  template <class W>
+  MLA_DEVICE uint64_t dk_of(W kW1) { return wg::desc_sw128(k_s + (decltype(kW1)::value ? T::kMatBytes : 0), 16, 1024); }
   // V halves: the warpgroup's kN columns of K0 / K1, read MN-major
-  auto dv0_of = [&](auto kW1) {
+  template <class W>
+  MLA_DEVICE uint64_t dv0_of(W kW1) {
     return wg::desc_sw128(k_s + (decltype(kW1)::value ? kHB : 0) * T::kBlockBytes, T::kBlockBytes, 1024);
-  };
-  auto dv1_of = [&](auto kW1) {
+  }
+  template <class W>
+  MLA_DEVICE uint64_t dv1_of(W kW1) {
     return wg::desc_sw128(k_s + T::kMatBytes + (decltype(kW1)::value ? kHB : 0) * T::kBlockBytes, T::kBlockBytes, 1024);
-  };
+  }
   // P of the OTHER warpgroup's half: the rope block of K1 (for WG0) / K0 (for WG1)
-  auto p_mine = [&](int jp) { return kbuf(jp) + wg * T::kMatBytes + kNB * T::kBlockBytes; };
-  auto dp_other_of = [&](auto kW1) {
+  MLA_DEVICE unsigned char* p_mine(int jp) { return kbuf(jp) + wg * T::kMatBytes + kNB * T::kBlockBytes; }
+  template <class W>
+  MLA_DEVICE uint64_t dp_other_of(W kW1) {
     return wg::desc_sw128(k_s + (decltype(kW1)::value ? 0 : T::kMatBytes) + kNB * T::kBlockBytes, 16, 1024);
-  };
+  }
 
   // a half whose first key is past the length (the second half of a short
   // last tile): no S, no P V for it (same answer for every thread of the block)
-  auto half_empty = [&](int jp, int h) { return (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf >= L; };
+  MLA_DEVICE bool half_empty(int jp, int h) { return (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf >= L; }
 
   // S of this warpgroup's half of pair jp: its two groups of latent blocks as
   // they land, the rope block (in the second group) with them. With key RoPE
@@ -694,7 +662,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // is issued (warpgroup 0 releases K1 there).
   // kW1: the calling warpgroup is warpgroup 1 (a compile-time constant, so
   // that no branch on the warpgroup sits between the wgmmas).
-  auto issue_s = [&](auto kW1, float (&s)[32], int jp, auto between) {
+  template <class W, class F>
+  MLA_DEVICE void issue_s(W kW1, float (&s)[32], int jp, F between) {
     constexpr bool w1 = decltype(kW1)::value;
     const uint32_t par = ((gbase + jp) / kStages) & 1;
     const uint64_t dkj = dk_of(kW1) + soff(jp);
@@ -731,19 +700,18 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       s_steps<4 * kHB, 4 * kNB, kF16, -1>(s, dq, dkj);
     if constexpr (!kPH) s_steps<4 * kNB, T::kSteps, kF16, -1>(s, dq, dkj);  // the rope block's k-steps
     wg::commit();
-  };
+  }
 
 
-  // ==== The stages of a work item, in the order the work-item loop at the end
-  // runs them (lambdas: nvcc inlines them). The item's per-thread state, declared
-  // in the loop, goes in and out as parameters and return values, not by
-  // capture: a loop variable captured by reference reaches registers later in
-  // nvcc's optimisation, which changes the register assignment and the SASS
-  // (this layout compiles to the same SASS as the single-function kernel did).
+  // ==== The stages of a work item, in the order the work-item loop (run)
+  // runs them (all inlined). The item's per-thread state, declared in the
+  // loop, goes in and out as parameters and return values, not as block
+  // state: a loop variable held by reference reaches registers later in
+  // nvcc's optimisation, which changes the register assignment.
 
   // Item `item`: its part, sequence, length and head rows into the item state,
   // and its length-bounded maps (if any) acquired. False past the plan.
-  auto start_item = [&](int item) -> bool {
+  MLA_DEVICE bool start_item(int item) {
     if (!read_part(p, item / hblocks, pt, T::kTileKeys)) return false;
     b = pt.b;
     L = pt.L;
@@ -759,7 +727,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv + 1) : "memory");
     }
     return true;
-  };
+  }
 
   // The tail: a last pair holding ONE key (L mod 128 = 1: every task length)
   // is not run through the pair loop, whose matrix products, loads and
@@ -770,16 +738,16 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // online-softmax step of one key, with the same lazy max and rounding.
   // (dv 512, bf16, shared rope keys: the task's paths.)
   // True for such an item, whose last pair then leaves npairs.
-  auto has_tail_key = [&]() -> bool {
+  MLA_DEVICE bool has_tail_key() {
     const bool tail = kDv == 512 && !kF16 && !kPH && npairs > 0 &&
                       L - (pt.tile_begin + npairs - 1) * T::kTileKeys == 1;
     if (tail) --npairs;
     return tail;
-  };
+  }
 
   // Q (by TMA: issued here or prefetched during the previous item's last pair;
   // else all threads by cp.async, the previous item's S products done)
-  auto load_q = [&] {
+  MLA_DEVICE void load_q() {
     if (maps.use_q) {
       if (!q_ready && tid == 0) issue_q(b, row_base);
     } else {
@@ -799,11 +767,11 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       }
       copy_commit();
     }
-  };
+  }
 
   // The page ids of pairs 0..kStages, then the loads of the first kStages
   // pairs (each warpgroup its column blocks, as in the pair loops).
-  auto prologue_loads = [&] {
+  MLA_DEVICE void prologue_loads() {
     // page ids of pairs 0..kStages (even pairs: warpgroup 0, odd: warpgroup 1)
     for (int j = wg; j <= kStages; j += 2) store_id(j, t, fetch_id(j, t));
     prefetch_pages(kStages + 1);
@@ -817,23 +785,23 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         load_half(j, 1, kHB, kNB, false, kMbK1b);
       }
     }
-  };
+  }
 
   // Q has landed (the TMA's mbarrier phase of item `nitem`, or the cp.async group).
-  auto wait_q = [&](int nitem) {
+  MLA_DEVICE void wait_q(int nitem) {
     if (maps.use_q)
       wg::mbar_wait(qbar, nitem & 1);
     else
       copy_wait<0>();  // Q (the committed group)
-  };
+  }
 
   // causal limits of this thread's rows (keys >= lim are masked)
-  auto causal_limits = [&](int& lim0, int& lim1) {
+  MLA_DEVICE void causal_limits(int& lim0, int& lim1) {
     if (p.causal) {
       lim0 = min(L, L - (p.s_q - 1 - (row_base + r0) / p.h_q));
       lim1 = min(L, L - (p.s_q - 1 - (row_base + r1) / p.h_q));
     }
-  };
+  }
 
   using W0 = std::integral_constant<bool, false>;
   using W1 = std::integral_constant<bool, true>;
@@ -842,8 +810,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   // no separate first-S code is fetched cold at every work item. At dv
   // 128/256 the shared loop costs registers and time, so they keep the
   // separate first S.
-  constexpr bool kLoopS = kDv == 512;
-  constexpr int kFirst = kLoopS ? -1 : 0;
+  static constexpr bool kLoopS = kDv == 512;
+  static constexpr int kFirst = kLoopS ? -1 : 0;
 
   // Warpgroup 0's pair loop: per pair, the softmax of S0, O_L += P0 V0L, P0
   // rescaled to warpgroup 1's max into shared memory, O_L += P1 V1L, the next
@@ -853,8 +821,8 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     int item;
     bool q_pref;
   };
-  auto pairs_wg0 = [&](float (&s)[32], uint32_t (&pa)[16], float (&o)[T::kORegs], float& m_a, float& m_b, float& l_a,
-                       float& l_b, int lim0, int lim1, int next_item, int next_b, bool q_pref) -> NextItem {
+  MLA_DEVICE NextItem pairs_wg0(float (&s)[32], uint32_t (&pa)[16], float (&o)[T::kORegs], float& m_a, float& m_b, float& l_a,
+                                float& l_b, int lim0, int lim1, int next_item, int next_b, bool q_pref) {
     if (!kLoopS && npairs > 0) {
       issue_s(W0{}, s, 0, [] {});
       wg::wait<0>();
@@ -938,13 +906,13 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
       wg::wait<0>();
     }
     return NextItem{next_item, q_pref};
-  };
+  }
 
   // Warpgroup 1's pair loop: per pair, the softmax of S1 against warpgroup 0's
   // max, P1 into shared memory, O_R += P1 V1R + P0 V0R, the next S1; its loads
   // of K1 [H, NB) and K0 [H, NB].
-  auto pairs_wg1 = [&](float (&s)[32], uint32_t (&pa)[16], float (&o)[T::kORegs], float& m_a, float& m_b, float& l_a,
-                       float& l_b, int lim0, int lim1) {
+  MLA_DEVICE void pairs_wg1(float (&s)[32], uint32_t (&pa)[16], float (&o)[T::kORegs], float& m_a, float& m_b, float& l_a,
+                            float& l_b, int lim0, int lim1) {
     if (!kLoopS && npairs > 0) {
       issue_s(W1{}, s, 0, [] {});
       wg::wait<0>();
@@ -994,12 +962,12 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
         wg::wait<0>();
       }
     }
-  };
+  }
 
   // Both warpgroups hold O and l at the same final max: their row sums meet in
   // shared memory, and warpgroup 0's thread 0 publishes the block's next work
   // item (taken in the pair loop at dv 512, else now) and whether its Q is on its way.
-  auto sum_rows = [&](float l_a, float l_b, int next_item, bool q_pref) {
+  MLA_DEVICE void sum_rows(float l_a, float l_b, int next_item, bool q_pref) {
     if (t4 == 0) {
       s_l[wg * T::kM + r0] = l_a;
       s_l[wg * T::kM + r1] = l_b;
@@ -1011,162 +979,230 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     sync_threads();  // (also: every matrix product of the item is done, the key buffers are free)
     q_ready = s_next[1] != 0;
     pdl_trigger();   // the combine may launch once every block has got here
-  };
+  }
 
 
 
 
   // ==== The work items of this block: per item, the stages above in order
-  for (int item = block_x();;) {
-    if (!start_item(item)) break;
-    const bool tail = has_tail_key();
-    // The tail key's three steps (its row here, its scores after the prologue, its
-    // P V after the pair loops) stay in the loop: as lambdas or as device functions
-    // (each of the three alone) they change the SASS of the dv 512 bf16 kernel (more
-    // registers; nvcc then folds the tail row's shared address otherwise).
-    uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
-    if (tail && wg == 0 && t < T::kBlocks * 8) {
-      const int key = L - 1;
-      const bf16_t* row = paged ? p.kv + static_cast<int64_t>(page_id(p.block_table, b * p.block_table_stride + p.page_div.div(key), p.num_pages)) *
-                                             p.kv_page_stride +
-                                      static_cast<int64_t>(p.page_div.mod(key)) * p.kv_row_stride
-                                : p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
-      if (t < kNB * 8) {
-        tail_chunk = *reinterpret_cast<const uint4*>(row + 8 * t);
-      } else if (t - kNB * 8 < rope_chunks) {  // (columns past the rope width: zeros, as in the key buffers)
-        const int c = t - kNB * 8;
-        if (rope) {  // rotated here as rotate_half rotates a key buffer: chunk c pairs with chunk c ^ 4
-          const int j = c & 3;
-          const uint4 x1 = *reinterpret_cast<const uint4*>(row + dvm + 8 * j);
-          const uint4 x2 = *reinterpret_cast<const uint4*>(row + dvm + 8 * (j + 4));
-          const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
-          const uint4 cw = cs[j], sw = cs[4 + j];
-          const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&x1);
-          const uint32_t* a2 = reinterpret_cast<const uint32_t*>(&x2);
-          const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
-          const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
-          uint32_t* out = reinterpret_cast<uint32_t*>(&tail_chunk);
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            uint32_t y1, y2;
-            rope_rot_bf16x2(a1[w], a2[w], cc[w], ss[w], y1, y2);
-            out[w] = c < 4 ? y1 : y2;
+  // The work items of this block: per item, the stages above in order
+  MLA_DEVICE void run() {
+    for (int item = block_x();;) {
+      if (!start_item(item)) break;
+      const bool tail = has_tail_key();
+      // The tail key's three steps (its row here, its scores after the prologue, its
+      // P V after the pair loops) stay in the loop: as member or device functions
+      // (each of the three alone) they change the SASS of the dv 512 bf16 kernel (more
+      // registers; nvcc then folds the tail row's shared address otherwise).
+      uint4 tail_chunk = make_uint4(0, 0, 0, 0);  // warpgroup 0's threads 0..kBlocks*8-1: one 16-byte chunk of the row
+      if (tail && wg == 0 && t < T::kBlocks * 8) {
+        const int key = L - 1;
+        const bf16_t* row = paged ? p.kv + static_cast<int64_t>(page_id(p.block_table, b * p.block_table_stride + p.page_div.div(key), p.num_pages)) *
+                                               p.kv_page_stride +
+                                        static_cast<int64_t>(p.page_div.mod(key)) * p.kv_row_stride
+                                  : p.kv + b * p.kv_page_stride + static_cast<int64_t>(key) * p.kv_row_stride;
+        if (t < kNB * 8) {
+          tail_chunk = *reinterpret_cast<const uint4*>(row + 8 * t);
+        } else if (t - kNB * 8 < rope_chunks) {  // (columns past the rope width: zeros, as in the key buffers)
+          const int c = t - kNB * 8;
+          if (rope) {  // rotated here as rotate_half rotates a key buffer: chunk c pairs with chunk c ^ 4
+            const int j = c & 3;
+            const uint4 x1 = *reinterpret_cast<const uint4*>(row + dvm + 8 * j);
+            const uint4 x2 = *reinterpret_cast<const uint4*>(row + dvm + 8 * (j + 4));
+            const uint4* cs = reinterpret_cast<const uint4*>(p.rope_cs + static_cast<int64_t>(key) * T::kRope);
+            const uint4 cw = cs[j], sw = cs[4 + j];
+            const uint32_t* a1 = reinterpret_cast<const uint32_t*>(&x1);
+            const uint32_t* a2 = reinterpret_cast<const uint32_t*>(&x2);
+            const uint32_t* cc = reinterpret_cast<const uint32_t*>(&cw);
+            const uint32_t* ss = reinterpret_cast<const uint32_t*>(&sw);
+            uint32_t* out = reinterpret_cast<uint32_t*>(&tail_chunk);
+  #pragma unroll
+            for (int w = 0; w < 4; ++w) {
+              uint32_t y1, y2;
+              rope_rot_bf16x2(a1[w], a2[w], cc[w], ss[w], y1, y2);
+              out[w] = c < 4 ? y1 : y2;
+            }
+          } else {
+            const bf16_t* src = p.kpe == nullptr ? row + dvm + 8 * c
+                                                 : p.kpe + b * p.kpe_batch_stride + static_cast<int64_t>(key) * p.kpe_row_stride + 8 * c;
+            tail_chunk = *reinterpret_cast<const uint4*>(src);
           }
-        } else {
-          const bf16_t* src = p.kpe == nullptr ? row + dvm + 8 * c
-                                               : p.kpe + b * p.kpe_batch_stride + static_cast<int64_t>(key) * p.kpe_row_stride + 8 * c;
-          tail_chunk = *reinterpret_cast<const uint4*>(src);
         }
       }
-    }
 
-    // ---- Q and the first pairs' loads (the prologue)
-    load_q();
-    prologue_loads();
-    wait_q(nitem);
-    // the tail row -> shared memory, for warpgroup 1's scores and both warpgroups' P V
-    if (tail && wg == 0 && t < T::kBlocks * 8) *reinterpret_cast<uint4*>(tail_s + 16 * t) = tail_chunk;
-    wg::fence_proxy_async();
-    sync_threads();
+      // ---- Q and the first pairs' loads (the prologue)
+      load_q();
+      prologue_loads();
+      wait_q(nitem);
+      // the tail row -> shared memory, for warpgroup 1's scores and both warpgroups' P V
+      if (tail && wg == 0 && t < T::kBlocks * 8) *reinterpret_cast<uint4*>(tail_s + 16 * t) = tail_chunk;
+      wg::fence_proxy_async();
+      sync_threads();
 
-    int lim0 = L, lim1 = L;  // causal limits of rows r0, r1 (keys >= lim are masked)
-    causal_limits(lim0, lim1);
-    if (tail && wg == 1) {  // the tail key's scores (log2 units, masked), rows r0 / r1; a quad splits the 72 chunks
-      float a0 = 0.f, a1 = 0.f;
-#pragma unroll 2
-      for (int u = 0; u < T::kBlocks * 2; ++u) {
-        const int j = t4 + 4 * u, blk = j / 8, c = j % 8;
-        const uint4 kw = *reinterpret_cast<const uint4*>(tail_s + 16 * j);
-        const uint4 qw0 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r0 * 128 + ((c ^ (r0 & 7)) << 4));
-        const uint4 qw1 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r1 * 128 + ((c ^ (r1 & 7)) << 4));
-        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(&kw);
-        const uint32_t* q0 = reinterpret_cast<const uint32_t*>(&qw0);
-        const uint32_t* q1 = reinterpret_cast<const uint32_t*>(&qw1);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float kl = bf16_lo(k32[w]), kh = bf16_hi(k32[w]);
-          a0 = fmaf(bf16_lo(q0[w]), kl, fmaf(bf16_hi(q0[w]), kh, a0));
-          a1 = fmaf(bf16_lo(q1[w]), kl, fmaf(bf16_hi(q1[w]), kh, a1));
+      int lim0 = L, lim1 = L;  // causal limits of rows r0, r1 (keys >= lim are masked)
+      causal_limits(lim0, lim1);
+      if (tail && wg == 1) {  // the tail key's scores (log2 units, masked), rows r0 / r1; a quad splits the 72 chunks
+        float a0 = 0.f, a1 = 0.f;
+  #pragma unroll 2
+        for (int u = 0; u < T::kBlocks * 2; ++u) {
+          const int j = t4 + 4 * u, blk = j / 8, c = j % 8;
+          const uint4 kw = *reinterpret_cast<const uint4*>(tail_s + 16 * j);
+          const uint4 qw0 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r0 * 128 + ((c ^ (r0 & 7)) << 4));
+          const uint4 qw1 = *reinterpret_cast<const uint4*>(q_s + blk * T::kBlockBytes + r1 * 128 + ((c ^ (r1 & 7)) << 4));
+          const uint32_t* k32 = reinterpret_cast<const uint32_t*>(&kw);
+          const uint32_t* q0 = reinterpret_cast<const uint32_t*>(&qw0);
+          const uint32_t* q1 = reinterpret_cast<const uint32_t*>(&qw1);
+  #pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const float kl = bf16_lo(k32[w]), kh = bf16_hi(k32[w]);
+            a0 = fmaf(bf16_lo(q0[w]), kl, fmaf(bf16_hi(q0[w]), kh, a0));
+            a1 = fmaf(bf16_lo(q1[w]), kl, fmaf(bf16_hi(q1[w]), kh, a1));
+          }
+        }
+  #pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+          a0 += __shfl_xor_sync(0xffffffffu, a0, off);
+          a1 += __shfl_xor_sync(0xffffffffu, a1, off);
+        }
+        if (t4 == 0) {
+          s_t[r0] = L - 1 >= lim0 ? neg_inf() : a0 * p.scale_log2;
+          s_t[r1] = L - 1 >= lim1 ? neg_inf() : a1 * p.scale_log2;
         }
       }
-#pragma unroll
-      for (int off = 1; off < 4; off <<= 1) {
-        a0 += __shfl_xor_sync(0xffffffffu, a0, off);
-        a1 += __shfl_xor_sync(0xffffffffu, a1, off);
-      }
-      if (t4 == 0) {
-        s_t[r0] = L - 1 >= lim0 ? neg_inf() : a0 * p.scale_log2;
-        s_t[r1] = L - 1 >= lim1 ? neg_inf() : a1 * p.scale_log2;
-      }
-    }
 
-    // ---- the pair loops: O, the row maxima and sums of this warpgroup's view
-    float o[T::kORegs];
-#pragma unroll
-    for (int i = 0; i < T::kORegs; ++i) o[i] = 0.f;
-    float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;  // rows r0, r1: this warpgroup's view
-    float s[32];
-    uint32_t pa[16];
-    // warpgroup 0's thread 0: the block's next work item (taken one pair before
-    // the last), its sequence, and whether its Q is on its way
-    int next_item = -1, next_b = -1;
-    bool q_pref = false;
-    if (wg == 0) {
-      const NextItem nx = pairs_wg0(s, pa, o, m_a, m_b, l_a, l_b, lim0, lim1, next_item, next_b, q_pref);
-      next_item = nx.item;
-      q_pref = nx.q_pref;
-    } else {
-      pairs_wg1(s, pa, o, m_a, m_b, l_a, l_b, lim0, lim1);
-    }
-
-    if (tail) {  // the tail key (see above): one more online-softmax step, on the CUDA cores
-      sync_threads();  // its scores (warpgroup 1, prologue) -> warpgroup 0
-      const float v0 = s_t[r0], v1 = s_t[r1];
-      const float n0 = lazy_max(m_a, v0), n1 = lazy_max(m_b, v1);
-      const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
-      const float e0 = fast_exp2(v0 - (n0 == neg_inf() ? 0.f : n0)), e1 = fast_exp2(v1 - (n1 == neg_inf() ? 0.f : n1));
-      // every row sum covers both warpgroups' keys once: warpgroup 0 adds this one
-      l_a = l_a * c0 + (wg == 0 ? e0 : 0.f);
-      l_b = l_b * c1 + (wg == 0 ? e1 : 0.f);
-      m_a = n0;
-      m_b = n1;
-      scale_rows(o, c0, c1);
-      const float pb0 = round_bf16(e0), pb1 = round_bf16(e1);  // P in bf16, as the P V products take it
-      const unsigned char* vrow = tail_s + (T::kN * wg + 2 * t4) * 2;
-#pragma unroll
-      for (int jn = 0; jn < T::kN / 8; ++jn) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 16 * jn);
-        const float x0 = bf16_lo(w), x1 = bf16_hi(w);
-        o[4 * jn] = fmaf(pb0, x0, o[4 * jn]);
-        o[4 * jn + 1] = fmaf(pb0, x1, o[4 * jn + 1]);
-        o[4 * jn + 2] = fmaf(pb1, x0, o[4 * jn + 2]);
-        o[4 * jn + 3] = fmaf(pb1, x1, o[4 * jn + 3]);
+      // ---- the pair loops: O, the row maxima and sums of this warpgroup's view
+      float o[T::kORegs];
+  #pragma unroll
+      for (int i = 0; i < T::kORegs; ++i) o[i] = 0.f;
+      float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;  // rows r0, r1: this warpgroup's view
+      float s[32];
+      uint32_t pa[16];
+      // warpgroup 0's thread 0: the block's next work item (taken one pair before
+      // the last), its sequence, and whether its Q is on its way
+      int next_item = -1, next_b = -1;
+      bool q_pref = false;
+      if (wg == 0) {
+        const NextItem nx = pairs_wg0(s, pa, o, m_a, m_b, l_a, l_b, lim0, lim1, next_item, next_b, q_pref);
+        next_item = nx.item;
+        q_pref = nx.q_pref;
+      } else {
+        pairs_wg1(s, pa, o, m_a, m_b, l_a, l_b, lim0, lim1);
       }
-    }
 
-    // ---- epilogue: the row sums, the LSE, O out
-    sum_rows(l_a, l_b, next_item, q_pref);
-    const float l0 = s_l[r0] + s_l[T::kM + r0], l1 = s_l[r1] + s_l[T::kM + r1];
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    const bool fin = pt.nsplit == 1;  // the final output (bf16/fp16), else fp32 partials for the combine
-    const int64_t prow = fin ? 0 : static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
-    store_lse<kRB>(p, wg, t4, r0, r1, row_base, b, l0, l1, fin, prow, m_a, m_b);
-    const int col0 = T::kN * wg + 2 * t4;
-    const int elt = fin ? 2 : 4;
-    const int orow_bytes = T::kOutRowBytes(elt);
-    stage_o<T, kF16>(k_s, r0, r1, o, inv0, inv1, fin, orow_bytes, elt, col0);
-    if (tid < kRB && row_base + tid < p.rows) copy_out_row(p, k_s, tid, row_base, b, dvm, fin, prow, elt, orow_bytes);
-    if (nlat < kNB) {  // the staged output covered the dead latent blocks
-      sync_threads();   // (the bulk copies have read it)
-      zero_dead_blocks<T>(q_s, nlat, tid);
-    }
-    gbase += npairs;
-    ++nitem;
-    item = s_next[0];
-    if (item < 0) break;
-  }  // work items
-  release_plan(p, ctr, tid);
-  wg::bulk_wait_all();
+      if (tail) {  // the tail key (see above): one more online-softmax step, on the CUDA cores
+        sync_threads();  // its scores (warpgroup 1, prologue) -> warpgroup 0
+        const float v0 = s_t[r0], v1 = s_t[r1];
+        const float n0 = lazy_max(m_a, v0), n1 = lazy_max(m_b, v1);
+        const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
+        const float e0 = fast_exp2(v0 - (n0 == neg_inf() ? 0.f : n0)), e1 = fast_exp2(v1 - (n1 == neg_inf() ? 0.f : n1));
+        // every row sum covers both warpgroups' keys once: warpgroup 0 adds this one
+        l_a = l_a * c0 + (wg == 0 ? e0 : 0.f);
+        l_b = l_b * c1 + (wg == 0 ? e1 : 0.f);
+        m_a = n0;
+        m_b = n1;
+        scale_rows(o, c0, c1);
+        const float pb0 = round_bf16(e0), pb1 = round_bf16(e1);  // P in bf16, as the P V products take it
+        const unsigned char* vrow = tail_s + (T::kN * wg + 2 * t4) * 2;
+  #pragma unroll
+        for (int jn = 0; jn < T::kN / 8; ++jn) {
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + 16 * jn);
+          const float x0 = bf16_lo(w), x1 = bf16_hi(w);
+          o[4 * jn] = fmaf(pb0, x0, o[4 * jn]);
+          o[4 * jn + 1] = fmaf(pb0, x1, o[4 * jn + 1]);
+          o[4 * jn + 2] = fmaf(pb1, x0, o[4 * jn + 2]);
+          o[4 * jn + 3] = fmaf(pb1, x1, o[4 * jn + 3]);
+        }
+      }
+
+      // ---- epilogue: the row sums, the LSE, O out
+      sum_rows(l_a, l_b, next_item, q_pref);
+      const float l0 = s_l[r0] + s_l[T::kM + r0], l1 = s_l[r1] + s_l[T::kM + r1];
+      const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+      const bool fin = pt.nsplit == 1;  // the final output (bf16/fp16), else fp32 partials for the combine
+      const int64_t prow = fin ? 0 : static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
+      store_lse<kRB>(p, wg, t4, r0, r1, row_base, b, l0, l1, fin, prow, m_a, m_b);
+      const int col0 = T::kN * wg + 2 * t4;
+      const int elt = fin ? 2 : 4;
+      const int orow_bytes = T::kOutRowBytes(elt);
+      stage_o<T, kF16>(k_s, r0, r1, o, inv0, inv1, fin, orow_bytes, elt, col0);
+      if (tid < kRB && row_base + tid < p.rows) copy_out_row(p, k_s, tid, row_base, b, dvm, fin, prow, elt, orow_bytes);
+      if (nlat < kNB) {  // the staged output covered the dead latent blocks
+        sync_threads();   // (the bulk copies have read it)
+        zero_dead_blocks<T>(q_s, nlat, tid);
+      }
+      gbase += npairs;
+      ++nitem;
+      item = s_next[0];
+      if (item < 0) break;
+    }  // work items
+    release_plan(p, ctr, tid);
+    wg::bulk_wait_all();
+  }
+};
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// kF16: q, kv and o hold fp16 (else bf16; on-the-fly key RoPE only then).
+// kDv: value width (128, 256, 512).
+// kPH: per-head rope keys (MHA2MLA): the key is the dv latent columns alone;
+// the rope part of every score comes precomputed (p.rope_scores,
+// launch_rope_scores) and is added to S. A work item then covers 32 query
+// rows (the wgmma's other 32 rows compute nothing that is kept), so that the
+// score tile of a half (32 rows x 64 keys fp32: two 128B-swizzled boxes of 32
+// keys, 8 KB) fits the rope block, where that half's P is stored after the
+// softmax.
+// The body: the setup (shared-memory carve-up, thread indices, mbarriers),
+// then Sm90Block's work-item loop.
+template <bool kF16, int kDv, bool kPH>
+__global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
+    attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = PairTile<kDv>;
+  constexpr int kNB = T::kNB;
+  // ==== Setup: the shared-memory carve-up, thread indices, mbarriers, and the
+  // latent blocks dv 64 leaves zero
+  extern __shared__ __attribute__((aligned(16))) unsigned char smem_raw[];
+  // 1 KB aligned (swizzle atoms), by an offset from the shared array so that
+  // the compiler keeps the address space (shared loads/stores, not generic)
+  unsigned char* smem =
+      smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
+  unsigned char* q_s = smem;
+  constexpr int kStages = T::kStages;
+  unsigned char* k_s = q_s + T::kMatBytes;  // per stage: K0, then K1
+  float* s_m = reinterpret_cast<float*>(k_s + 2 * kStages * T::kMatBytes);  // shared running max [64]
+  float* s_l = s_m + T::kM;                                                   // row sums of both warpgroups [2][64]
+  uint64_t* mb = reinterpret_cast<uint64_t*>(s_l + 2 * T::kM);                // [kStages][4], then Q's
+  uint64_t* qbar = mb + 4 * kStages;
+  int32_t* ids_s = reinterpret_cast<int32_t*>(mb + 4 * kStages + 2);  // [kIdRing][kTileKeys] page ids, slot = pair % kIdRing
+  int* s_next = reinterpret_cast<int*>(ids_s + T::kIdRing * T::kTileKeys);  // the block's next work item
+  unsigned char* tail_s = reinterpret_cast<unsigned char*>(s_next + 4);  // the tail key's row (16-byte aligned)
+  float* s_t = reinterpret_cast<float*>(tail_s + T::kBlocks * 128);        // its scores, per row [64]
+
+  const int tid = thread_x();
+  // warpgroup index, made visibly warp-uniform for the compiler (a per-thread
+  // value would make every branch on it divergent and serialize the wgmmas)
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), t = tid % 128;
+  const int warp = t / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's rows in the S / O layouts
+
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < 4 * kStages; ++i) wg::mbar_init(&mb[i], 128);
+    wg::mbar_init(qbar, 1);
+    wg::fence_proxy_async();  // the initialised barriers -> the TMA unit (thread 0 may issue Q before the first barrier)
+  }
+  // Latent column blocks read from memory: kNB, or 1 for dv 64, which runs
+  // on the dv 128 instance with latent block 1 of Q and of every key buffer
+  // zero (set once here, never loaded): the scores and warpgroup 0's
+  // columns are exact, warpgroup 1's columns are zeros and never written
+  // out, and the memory read is dv 64's.
+  // (The epilogue stages O in the key buffers, so it zeroes them again.)
+  const int dvm = kDv == 128 ? p.dv : kDv;  // value width in memory (compile-time but for the dv 128 instance)
+  const int nlat = dvm / 64;
+  if (nlat < kNB) zero_dead_blocks<T>(q_s, nlat, tid);
+  pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
+  Sm90Block<kF16, kDv, kPH>{p, maps, q_s, k_s, s_m, s_l, mb, qbar, ids_s, s_next, tail_s, s_t,
+                            tid, wg, t, warp, lane, g, t4, r0, r1, dvm, nlat}
+      .run();
 #else
   __trap();  // built without sm_90a: the host never selects this kernel then
 #endif
