@@ -45,7 +45,10 @@ match:
   how engines run the attention). Ours with the plan made once, FlashMLA
   with its metadata made once, both reading the cache as 64-row pages in
   order and scattered (the same pages in a random order, as a serving
-  engine's free list leaves them). Checked first on set 0: ours scattered
+  engine's free list leaves them); MHz / FM: the SM clock (NVML) read
+  right after ours and FlashMLA's graph timing of pages in order (under
+  sustained load the GPU lowers it, so rows are comparable only at like
+  clocks). Checked first on set 0: ours scattered
   against ours in order (the same bits, else SCATTER-DIFFERS) and each
   layout against FlashMLA.
 - eager (common.time_events): device events around --batch calls back to
@@ -307,10 +310,12 @@ def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nb
         us = common.time_graph_calls([lambda j=j: ours(lay, j % n) for j in range(GRAPH_CALLS)],
                                      reps=args.graph_reps) * 1e3
         res[f"g_us_{lay}"] = us
+        res[f"g_mhz_{lay}"] = common.sm_clock_mhz()
         if fm is not None:
             fus = common.time_graph_calls([lambda j=j: flash(lay, j % n) for j in range(GRAPH_CALLS)],
                                           reps=args.graph_reps) * 1e3
             res[f"g_flashmla_{lay}"] = fus
+            res[f"g_fm_mhz_{lay}"] = common.sm_clock_mhz()
             res[f"g_vs_flashmla_{lay}"] = fus / us
     r = rates(res["g_us_order"], flops, nbytes, peaks)
     res.update(g_tflops=r["tflops"], g_gbs=r["gbs"], g_pct_floor=r.get("pct_floor"))
@@ -328,7 +333,7 @@ def measure_graphs(sets, seqlens, plan, h_q, out, lse, fm, meta, args, flops, nb
 
 
 HEADER = (f"{'h_q':>4} {'bs':>4} {'L':>6} {'rope':>4} {'parts':>5} {'comb':>5} | {'g us':>7} {'FM g':>7} {'xFM g':>5} "
-          f"{'g us sc':>7} {'FM g sc':>7} {'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} "
+          f"{'MHz':>4} {'FM':>4} {'g us sc':>7} {'FM g sc':>7} {'xFM sc':>6} {'TFLOP/s':>7} {'TB/s':>5} {'%floor':>6} | {'us':>7} "
           f"{'us plan1':>8} {'FlashMLA':>8} {'xFM':>5} {'xFM plan1':>9} | {'1 call':>7} {'FM 1':>7} {'host':>5} "
           f"{'FM host':>7} | {'max|d|':>8}  flag")
 
@@ -339,6 +344,7 @@ def format_row(r):
             f"{cell(g('g_combine'), 5, '.1f')} | "
             f"{cell(g('g_us_order'), 7, '.1f')} "
             f"{cell(g('g_flashmla_order'), 7, '.1f')} {cell(g('g_vs_flashmla_order'), 5, '.2f')} "
+            f"{cell(g('g_mhz_order'), 4, 'd')} {cell(g('g_fm_mhz_order'), 4, 'd')} "
             f"{cell(g('g_us_scatter'), 7, '.1f')} {cell(g('g_flashmla_scatter'), 7, '.1f')} "
             f"{cell(g('g_vs_flashmla_scatter'), 6, '.2f')} {cell(g('g_tflops'), 7, '.1f')} "
             f"{cell(g('g_gbs') / 1e3 if g('g_gbs') else None, 5, '.2f')} {cell(g('g_pct_floor'), 6, '.1f')} | "

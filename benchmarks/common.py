@@ -157,6 +157,16 @@ def geomean(xs):
     return p ** (1.0 / len(xs)) if xs else float("nan")
 
 
+def sm_clock_mhz():
+    """The current GPU's SM clock in MHz (NVML), or None where NVML is not
+    available. Under sustained load the H100/H200 lower it (power and heat):
+    timings taken at different clocks are not comparable."""
+    try:
+        return torch.cuda.clock_rate(torch.cuda.current_device())
+    except Exception:
+        return None
+
+
 def _capture(fn):
     """fn() run once on a side stream (warm-up, as capture requires), then
     captured into a CUDA graph, which is returned."""
