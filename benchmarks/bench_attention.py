@@ -174,6 +174,39 @@ def scattered(pages, table, gen):
     return spread, perm.to(torch.int32)[table.long()]
 
 
+def paged_call_runs(h_q, L, bs, fm=None):
+    """For the tools that replay graphs of the attention: (runs, parts).
+    runs: [(name, fn)], fn a zero-argument function making GRAPH_CALLS calls
+    on rotated cache sets read as 64-row pages in order, ours with the plan
+    made once ("ours") and, given the flash_mla module, FlashMLA with its
+    metadata made once ("FlashMLA"); the functions keep their inputs alive.
+    parts: the plan's part count."""
+    n = n_sets(bs, L, h_q, ("no",))
+    sets = make_sets(n, bs, L, h_q, ("no",), "cuda")
+    seqlens = torch.full((bs,), L, dtype=torch.int32, device="cuda")
+    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, pad(L))
+    out = torch.empty(bs, 1, h_q, DV, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(bs, h_q, 1, device="cuda")
+    pg = [pages_of(kv) for _, kv, _ in sets]
+
+    def ours():
+        for j in range(GRAPH_CALLS):
+            mla_decode.mla_attention(sets[j % n][0], pg[j % n][0], seqlens, SCALE, block_table=pg[j % n][1],
+                                     out=out, lse=lse, plan=plan)
+
+    runs = [("ours", ours)]
+    if fm is not None:
+        meta = fm.get_mla_metadata(seqlens, h_q, 1)
+
+        def theirs():
+            for j in range(GRAPH_CALLS):
+                fm.flash_mla_with_kvcache(sets[j % n][0], pg[j % n][0], pg[j % n][1], seqlens, DV, meta[0], meta[1],
+                                          softmax_scale=SCALE, causal=False)
+
+        runs.append(("FlashMLA", theirs))
+    return runs, int(plan[0])
+
+
 def check_row(ours, theirs):
     """(max |ours - theirs| or None, flag or ''): NaN in either, or a
     difference above MISMATCH, is flagged; theirs None checks ours for NaN."""

@@ -22,14 +22,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_attention as ba  # noqa: E402
 import common  # noqa: E402
-import mla_decode  # noqa: E402
 
-fm = None
-if not os.environ.get("NO_FM"):
-    try:
-        import flash_mla as fm
-    except ImportError:
-        fm = None
+fm = None if os.environ.get("NO_FM") else common.flashmla()
 
 try:
     import pynvml
@@ -70,34 +64,12 @@ def window(graph, calls, secs=0.8):
 for a in sys.argv[1:]:
     h_q, L, *rest = map(int, a.split(":"))
     bs = rest[0] if rest else 128
-    n = ba.n_sets(bs, L, h_q, ("no",))
-    sets = ba.make_sets(n, bs, L, h_q, ("no",), "cuda")
-    seqlens = torch.full((bs,), L, dtype=torch.int32, device="cuda")
-    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, ba.pad(L))
-    out = torch.empty(bs, 1, h_q, 512, device="cuda", dtype=torch.bfloat16)
-    lse = torch.empty(bs, h_q, 1, device="cuda")
-    pg = [ba.pages_of(kv) for _, kv, _ in sets]
-
-    def ours():
-        for j in range(10):
-            mla_decode.mla_attention(sets[j % n][0], pg[j % n][0], seqlens, ba.SCALE, block_table=pg[j % n][1],
-                                     out=out, lse=lse, plan=plan)
-
-    runs = [("ours", ours)]
-    if fm is not None:
-        meta = fm.get_mla_metadata(seqlens, h_q, 1)
-
-        def theirs():
-            for j in range(10):
-                fm.flash_mla_with_kvcache(sets[j % n][0], pg[j % n][0], pg[j % n][1], seqlens, 512, meta[0], meta[1],
-                                          softmax_scale=ba.SCALE, causal=False)
-
-        runs.append(("FlashMLA", theirs))
+    runs, _ = ba.paged_call_runs(h_q, L, bs, fm)
     graphs = {name: common._capture(fn) for name, fn in runs}
     for r in range(3):
         for name, _ in (runs if r % 2 == 0 else runs[::-1]):
-            us, mhz, watts = window(graphs[name], 10)
+            us, mhz, watts = window(graphs[name], ba.GRAPH_CALLS)
             print(f"h_q {h_q} L {L} bs {bs} round {r} {name:8s}: {us:8.1f} us/call  {mhz:5.0f} MHz  {watts:4.0f} W  "
                   f"{us * mhz / 1e3:7.1f} kcycles/call", flush=True)
-    del graphs, sets, pg
+    del graphs, runs
     torch.cuda.empty_cache()

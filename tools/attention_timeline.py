@@ -19,42 +19,14 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_attention as ba  # noqa: E402
 import common  # noqa: E402
-import mla_decode  # noqa: E402
 
-fm = None
-if not os.environ.get("NO_FM"):
-    try:
-        import flash_mla as fm
-    except ImportError:
-        fm = None
+fm = None if os.environ.get("NO_FM") else common.flashmla()
 
 
 for a in sys.argv[1:]:
     h_q, L, *rest = map(int, a.split(":"))
     bs = rest[0] if rest else 128
-    n = ba.n_sets(bs, L, h_q, ("no",))
-    sets = ba.make_sets(n, bs, L, h_q, ("no",), "cuda")
-    seqlens = torch.full((bs,), L, dtype=torch.int32, device="cuda")
-    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, ba.pad(L))
-    out = torch.empty(bs, 1, h_q, 512, device="cuda", dtype=torch.bfloat16)
-    lse = torch.empty(bs, h_q, 1, device="cuda")
-    pg = [ba.pages_of(kv) for _, kv, _ in sets]
-
-    def ours():
-        for j in range(10):
-            mla_decode.mla_attention(sets[j % n][0], pg[j % n][0], seqlens, ba.SCALE, block_table=pg[j % n][1],
-                                     out=out, lse=lse, plan=plan)
-
-    runs = [("ours", ours)]
-    if fm is not None:
-        meta = fm.get_mla_metadata(seqlens, h_q, 1)
-
-        def theirs():
-            for j in range(10):
-                fm.flash_mla_with_kvcache(sets[j % n][0], pg[j % n][0], pg[j % n][1], seqlens, 512, meta[0], meta[1],
-                                          softmax_scale=ba.SCALE, causal=False)
-
-        runs.append(("FlashMLA", theirs))
+    runs, parts = ba.paged_call_runs(h_q, L, bs, fm)
     for name, fn in runs:
         g = common._capture(fn)
         for _ in range(3):
@@ -74,12 +46,12 @@ for a in sys.argv[1:]:
         gaps = collections.defaultdict(list)
         for x, y in zip(ev, ev[1:]):
             gaps[(x.name[:25], y.name[:25])].append(y.time_range.start - x.time_range.end)
-        print(f"{name} h_q {h_q} L {L} bs {bs} parts {int(plan[0])}: span/call {span:.1f} us, "
+        print(f"{name} h_q {h_q} L {L} bs {bs} parts {parts}: span/call {span:.1f} us, "
               f"kernel busy/call {busy:.1f} us")
         for k, v in dur.items():
             print(f"   {len(v):4d} x {sum(v) / len(v):8.2f} us  {k}")
         for k, v in gaps.items():
             print(f"   gap {len(v):4d} x {sum(v) / len(v):6.2f} us  {k[0]} -> {k[1]}")
         del g
-    del sets, pg
+    del runs
     torch.cuda.empty_cache()
