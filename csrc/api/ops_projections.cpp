@@ -2,7 +2,7 @@
 // Hopper skinny GEMM (gemm_nt, gemm_nt_config) and the Hopper fused query
 // (query_fused): checks, launch, registration
 // as torch.ops.mla_decode.*. Which product runs on which GEMM is decided in
-// mla_decode/projections.py.
+// mla_decode/kernel_choice.py.
 #include <ATen/cuda/CUDAContext.h>
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>

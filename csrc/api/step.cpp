@@ -58,8 +58,8 @@ void check_input(const at::Tensor& t, const char* name, const at::Device& dev, c
 // with these sizes, strides and dtype, made directly (no dispatcher, no
 // allocator): a view, as narrow/view/transpose would make it, for the cost
 // of one TensorImpl. The step's eager calls made a dozen views and
-// allocations before the attention's launch, each several microseconds
-// when the host runs cold (the task's fresh-input calls).
+// allocations before the attention's launch, each costly when the host
+// runs cold (the task's fresh-input calls; docs/decode_step.md).
 at::Tensor carve(const at::Tensor& base, int64_t byte_off, c10::IntArrayRef sizes, c10::IntArrayRef strides,
                  at::ScalarType dt) {
   const int64_t item = static_cast<int64_t>(c10::elementSize(dt));
@@ -188,7 +188,7 @@ StepShape step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef<int6
 // that a process driving several GPUs keeps one on each): an eager call takes its
 // stream's, made once, instead of a new allocation (on a host whose caches
 // are cold, as in the task's fresh-input calls, the caching allocator's path
-// costs tens of microseconds before the first launch). Every use of one is
+// delays the first launch). Every use of one is
 // on its stream, so the stream orders one call's kernels after the last's;
 // its lock is held while a call enqueues, so that two threads on one stream
 // do not interleave their launches over it (a thread that finds it held
@@ -258,8 +258,8 @@ T* ptr_of(const at::Tensor& t, int64_t off = 0) {
 // decode_step_keyed (devices, dtypes, shapes, contiguity, the cache's
 // 16-byte rows), so the kernels' parameters are made here directly from
 // them and from the workspace's slots, without the ops' checks again (each
-// costs microseconds on a host whose caches are cold, as they are in the
-// task's fresh-input calls); what depends on addresses (the 16-byte
+// costly on a host whose caches are cold, as they are in the task's
+// fresh-input calls); what depends on addresses (the 16-byte
 // alignment our GEMM and fused query need of the weights) is checked per
 // call, and a product they do not take goes to the vendor BLAS. Every
 // intermediate is a slot of one workspace, the stream's kept one

@@ -5,7 +5,7 @@
 // the host's work before the graph launch is the call's time; after other
 // work has run (its check of the previous output, the next inputs made) that
 // code is cold in the CPU's caches, where each distinct piece of code or
-// data touched costs microseconds. This path touches the fewest: attribute
+// data touched costs time. This path touches the fewest: attribute
 // reads, the key, the replay.
 //
 // A captured step's key (step_graph.h) holds every operand's address, dtype,

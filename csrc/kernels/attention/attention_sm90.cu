@@ -624,7 +624,7 @@ struct Sm90Block {
   // constant (kW1: W0{} / W1{} in each warpgroup's own code): made from the
   // runtime `wg`, ptxas advanced warpgroup 0's S descriptors with a split
   // 32-bit add, a carry and a reload of the constant high half per wgmma
-  // (6.5 instructions per wgmma against 2.9 for warpgroup 1). Q's gets a
+  // (twice warpgroup 1's instructions per wgmma; docs/attention.md). Q's gets a
   // zero that ptxas cannot see through (h_q >> 30: a q with 2^30 heads would
   // not fit in memory), so that it stays one 64-bit value advanced by one
   // add per k-step instead of being split the same way.

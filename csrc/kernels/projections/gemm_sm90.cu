@@ -367,7 +367,7 @@ const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* 
   }
   // the choice depends on the device and the sizes alone: made once per
   // device and sizes (the search below asks the occupancy calculator per
-  // candidate: tens of microseconds on a cold host, on every launch)
+  // candidate, which a cold host would pay on every launch)
   static std::mutex memo_mu;
   static std::map<std::array<int, 7>, Plan> memo;
   int dev = 0;
