@@ -981,11 +981,7 @@ struct Sm90Block {
     pdl_trigger();   // the combine may launch once every block has got here
   }
 
-
-
-
   // ==== The work items of this block: per item, the stages above in order
-  // The work items of this block: per item, the stages above in order
   MLA_DEVICE void run() {
     for (int item = block_x();;) {
       if (!start_item(item)) break;
