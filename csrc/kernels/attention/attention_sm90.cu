@@ -388,7 +388,7 @@ MLA_DEVICE void release_plan(const AttnParams& p, int32_t* ctr, int tid) {
 // work-item loop). Its members are the setup's values (shared-memory
 // carve-up, thread indices) and the item state; everything is inlined into
 // the kernel.
-template <bool kF16, int kDv, bool kPH>
+template <bool kF16, int kDv, bool kPH, bool kTma>
 struct Sm90Block {
   using T = PairTile<kDv>;
   static constexpr int kNB = T::kNB, kHB = T::kHalfNB;
@@ -421,7 +421,6 @@ struct Sm90Block {
   Part pt{};
   int b = 0, L = 0, npairs = 0, row_base = 0;
   int gbase = 0;  // pairs of this block's earlier items: the mbarrier phases run on across items
-  const CUtensorMap* bnd_kv = nullptr;  // the item's length-bounded kv map (kpe's follows it), or none
   // the sequence of work item w, or -1 past the plan
   MLA_DEVICE int item_seq(int w) {
     return w >= 0 && w / hblocks < p.plan[0] ? p.plan[plan_part_base(p.bs) + kPartInts * (w / hblocks)] : -1;
@@ -481,22 +480,23 @@ struct Sm90Block {
   }
   const int rope_chunks = p.rope / 8;  // 16-byte chunks of the rope block read from memory
   // Column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of
-  // pair jp, completing mbarrier `bar` when they have landed. A half whose 64 keys are all below the length goes by TMA where the host
-  // made descriptors: thread 0 arms the barrier and issues one box per column
-  // block (8 KB; 64 / rows boxes of `rows` keys each for pages of 8-32 rows),
-  // the other 127 threads arrive. So does a partial half where the item has
-  // length-bounded maps (bnd_kv: their row extent is the length, so the TMA
-  // unit writes zeros past it); otherwise a partial half goes by cp.async,
-  // which zero-fills the rows past the length, and an empty half loads nothing.
+  // pair jp, completing mbarrier `bar` when they have landed. TMA instances
+  // (the host made descriptors): thread 0 arms the barrier and issues one box
+  // per column block (8 KB; 64 / rows boxes of `rows` keys each for pages of
+  // 8-32 rows), the other 127 threads arrive; a half holding the length is
+  // loaded whole (its rows past the length are zeroed before its P V:
+  // zero_past_len), an empty half loads nothing. The other instances load by
+  // cp.async, which zero-fills the rows past the length.
   // (Thread 0 issues the boxes of small pages too: spreading them over threads
   // helps small pages but slows the common 64-row path; docs/not_kept.md.)
   MLA_DEVICE void load_half(int jp, int h, int blo, int bhi, bool with8, int bar) {
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf;
-    const bool full = key0 + T::kHalf <= L;
-    if (maps.use && (full || (bnd_kv != nullptr && key0 < L))) {
-      const CUtensorMap* kvm = full ? &maps.kv : bnd_kv;
-      const CUtensorMap* kpm = full ? &maps.kpe : bnd_kv + 1;
+    if constexpr (kTma) {
       uint64_t* mbp = mbar(jp, bar);
+      if (key0 >= L) {  // an empty half: nothing reads its buffer (S and P V skip it); keep the phase
+        wg::mbar_arrive(mbp);
+        return;
+      }
       if (t == 0) {
         const int bend = min(bhi, nlat);  // (dv 64 on the dv 128 kernel: latent block 1 stays zero)
         wg::mbar_arrive_expect_tx(mbp, max(bend - blo, 0) * T::kBlockBytes + (with8 ? T::kBlockBytes : 0));
@@ -506,7 +506,7 @@ struct Sm90Block {
             for (int kk = 0; kk < 2; ++kk)
               wg::tma_load_3d(dst + kNB * T::kBlockBytes + kk * 32 * 128, &maps.sc, key0 + 32 * kk, row_base, b, mbp);
         } else if (with8 && p.kpe != nullptr) {
-          wg::tma_load_3d_hint(dst + kNB * T::kBlockBytes, kpm, 0, key0, b, mbp, wg::l2_evict_first_policy());
+          wg::tma_load_3d_hint(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp, wg::l2_evict_first_policy());
         }
         for (int k = key0; k < key0 + T::kHalf; k += maps.rows) {  // one box of `rows` keys per column block
           int row = k, page = b;
@@ -517,9 +517,9 @@ struct Sm90Block {
           }
           unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
           for (int bk = blo; bk < bend; ++bk)
-            wg::tma_load_3d_hint(d + bk * T::kBlockBytes, kvm, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
+            wg::tma_load_3d_hint(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
           if (!kPH && with8 && p.kpe == nullptr)
-            wg::tma_load_3d_hint(d + kNB * T::kBlockBytes, kvm, dvm, row, page, mbp, wg::l2_evict_first_policy());
+            wg::tma_load_3d_hint(d + kNB * T::kBlockBytes, &maps.kv, dvm, row, page, mbp, wg::l2_evict_first_policy());
         }
       } else {
         wg::mbar_arrive(mbp);
@@ -652,6 +652,30 @@ struct Sm90Block {
   // last tile): no S, no P V for it (same answer for every thread of the block)
   MLA_DEVICE bool half_empty(int jp, int h) { return (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf >= L; }
 
+  // TMA instances load a half holding the length whole: its rows past the
+  // length hold whatever the cache holds there (the S products mask those
+  // keys, but P V multiplies them by P = 0, and NaN survives that). Before
+  // its P V, each warpgroup zeroes those rows in the V blocks [blo, bhi) it
+  // reads (its own columns; the S products that read them are done by then),
+  // whole 128-byte rows, so the swizzle does not matter.
+  MLA_DEVICE bool half_partial(int jp, int h) {
+    const int key0 = (pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf;
+    return kTma && key0 < L && key0 + T::kHalf > L;
+  }
+  MLA_DEVICE void zero_past_len(int jp, int h, int blo, int bhi) {
+    const int n = L - ((pt.tile_begin + jp) * T::kTileKeys + h * T::kHalf);  // rows below the length
+    unsigned char* base = kbuf(jp) + h * T::kMatBytes + n * 128;
+    const int chunks = (T::kHalf - n) * 8;  // 16-byte chunks past the length, per block
+    wg::fence_proxy_async();  // (after the TMA's writes, which the S products' waits acquired)
+#pragma unroll 1  // (rare: a few instructions in the pair loops, not hundreds)
+    for (int bk = blo; bk < bhi; ++bk) {
+#pragma unroll 1
+      for (int i = t; i < chunks; i += 128) *reinterpret_cast<uint4*>(base + bk * T::kBlockBytes + 16 * i) = make_uint4(0, 0, 0, 0);
+    }
+    wg::fence_proxy_async();  // the zeros -> the P V wgmma (async proxy)
+    wg::named_sync(kBarWg0 + wg, 128);
+  }
+
   // S of this warpgroup's half of pair jp: its two groups of latent blocks as
   // they land, the rope block (in the second group) with them. With key RoPE
   // the rope block is rotated as soon as the second group has landed, before
@@ -709,23 +733,14 @@ struct Sm90Block {
   // state: a loop variable held by reference reaches registers later in
   // nvcc's optimisation, which changes the register assignment.
 
-  // Item `item`: its part, sequence, length and head rows into the item state,
-  // and its length-bounded maps (if any) acquired. False past the plan.
+  // Item `item`: its part, sequence, length and head rows into the item
+  // state. False past the plan.
   MLA_DEVICE bool start_item(int item) {
     if (!read_part(p, item / hblocks, pt, T::kTileKeys)) return false;
     b = pt.b;
     L = pt.L;
     npairs = pt.tile_end - pt.tile_begin;
     row_base = (item % hblocks) * kRB;
-    // the maps whose row extent is this length (contiguous caches, from
-    // p.bmaps): a half holding the length goes by TMA too, rows past L zeros
-    bnd_kv = !kPH && !paged && p.bmaps != nullptr && L % T::kHalf != 0 && L <= p.bmaps_len
-                 ? reinterpret_cast<const CUtensorMap*>(p.bmaps + 256 * static_cast<int64_t>(L))
-                 : nullptr;
-    if (bnd_kv != nullptr && t == 0) {  // (written by another kernel: the tensor-map proxy acquires them)
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv) : "memory");
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(bnd_kv + 1) : "memory");
-    }
     return true;
   }
 
@@ -861,6 +876,7 @@ struct Sm90Block {
       softmax_step<kF16>(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       wg::named_arrive(kBarM0, 256);
       // O_L += P0 V0L
+      if (half_partial(jp, 0)) zero_past_len(jp, 0, 0, kHB);
       wg::fence();
       pv_regs<T::kN, kF16>(o, pa, dv0_of(W0{}) + so);
       wg::commit();
@@ -892,6 +908,7 @@ struct Sm90Block {
       wg::named_sync(kBarP1, 256);
       scale_rows(o, d0, d1);
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
+        if (half_partial(jp, 1)) zero_past_len(jp, 1, 0, kHB);  // (warpgroup 1's S1 is done: kBarP1)
         wg::fence();
         pv_smem<T::kN, kF16>(o, dp_other_of(W0{}) + so, dv1_of(W0{}) + so);
         wg::commit();
@@ -944,11 +961,13 @@ struct Sm90Block {
       wg::named_arrive(kBarP1, 256);
       // O_R += P1 V1R, then += P0' V0R once warpgroup 0 has stored P0'
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
+        if (half_partial(jp, 1)) zero_past_len(jp, 1, kHB, kNB);
         wg::fence();
         pv_regs<T::kN, kF16>(o, pa, dv1_of(W1{}) + so);
         wg::commit();
       }
       wg::named_sync(kBarP0, 256);
+      if (half_partial(jp, 0)) zero_past_len(jp, 0, kHB, kNB);  // (warpgroup 0's S0 is done: kBarP0)
       wg::fence();
       pv_smem<T::kN, kF16>(o, dp_other_of(W1{}) + so, dv0_of(W1{}) + so);
       wg::commit();
@@ -1148,7 +1167,8 @@ struct Sm90Block {
 // softmax.
 // The body: the setup (shared-memory carve-up, thread indices, mbarriers),
 // then Sm90Block's work-item loop.
-template <bool kF16, int kDv, bool kPH>
+// kTma: the keys by TMA (the host made descriptors: maps.use), else by cp.async.
+template <bool kF16, int kDv, bool kPH, bool kTma>
 __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1196,7 +1216,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   const int nlat = dvm / 64;
   if (nlat < kNB) zero_dead_blocks<T>(q_s, nlat, tid);
   pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
-  Sm90Block<kF16, kDv, kPH>{p, maps, q_s, k_s, s_m, s_l, mb, qbar, ids_s, s_next, tail_s, s_t,
+  Sm90Block<kF16, kDv, kPH, kTma>{p, maps, q_s, k_s, s_m, s_l, mb, qbar, ids_s, s_next, tail_s, s_t,
                             tid, wg, t, warp, lane, g, t4, r0, r1, dvm, nlat}
       .run();
 #else
@@ -1207,16 +1227,20 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
 template <int kDv, bool kPH>
 const char* kernel_info_as(AttnKernelInfo* info) {
   using T = PairTile<kDv>;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv, kPH>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv, kPH>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv, kPH, false>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv, kPH, false>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv, kPH, true>, T::kSmem)) return e;
+  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv, kPH, true>, T::kSmem)) return e;
   info->rows_per_block = kPH ? 32 : T::kM;
   info->tile = T::kTileKeys;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  const int bf = max_active_blocks(attention_sm90_kernel<false, kDv, kPH>, T::kThreads, T::kSmem);
-  const int hf = max_active_blocks(attention_sm90_kernel<true, kDv, kPH>, T::kThreads, T::kSmem);
-  info->blocks_per_sm = bf < hf ? bf : hf;
+  int blocks = max_active_blocks(attention_sm90_kernel<false, kDv, kPH, false>, T::kThreads, T::kSmem);
+  blocks = std::min(blocks, max_active_blocks(attention_sm90_kernel<true, kDv, kPH, false>, T::kThreads, T::kSmem));
+  blocks = std::min(blocks, max_active_blocks(attention_sm90_kernel<false, kDv, kPH, true>, T::kThreads, T::kSmem));
+  blocks = std::min(blocks, max_active_blocks(attention_sm90_kernel<true, kDv, kPH, true>, T::kThreads, T::kSmem));
+  info->blocks_per_sm = blocks;
   if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }
@@ -1313,8 +1337,10 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
   const TmaMaps maps = make_maps(p);
   const dim3 grid(static_cast<unsigned>(blocks));
   const bool pdl = sm90_pdl_enabled();
-  return p.f16 ? launch_ex(attention_sm90_kernel<true, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, dim3(1), p, maps)
-               : launch_ex(attention_sm90_kernel<false, kDv, kPH>, grid, dim3(T::kThreads), T::kSmem, stream, pdl, dim3(1), p, maps);
+  auto go = [&](auto kernel) { return launch_ex(kernel, grid, dim3(T::kThreads), T::kSmem, stream, pdl, dim3(1), p, maps); };
+  if (maps.use)
+    return p.f16 ? go(attention_sm90_kernel<true, kDv, kPH, true>) : go(attention_sm90_kernel<false, kDv, kPH, true>);
+  return p.f16 ? go(attention_sm90_kernel<true, kDv, kPH, false>) : go(attention_sm90_kernel<false, kDv, kPH, false>);
 }
 
 constexpr const char* kSm90Shapes =
