@@ -52,6 +52,17 @@ def test_serving_varlen_fp16(block_size, h_q, s_q):
     run_case(lens, block_size, h_q, s_q, causal=s_q > 1, seed=block_size + h_q + 1, dtype=torch.float16)
 
 
+@pytest.mark.parametrize("block_size", [64, 16, 128])
+def test_serving_partial_key_halves_at_every_boundary(block_size):
+    """Lengths on each side of the 64-key half and 128-key pair boundaries
+    (a sequence's last half partial, full, or a lone key), the rows past
+    every length NaN: the Hopper kernel loads a partial half whole by TMA and
+    zeroes its rows past the length before P V, so any row it missed shows."""
+    lens = [1, 2, 63, 64, 65, 66, 127, 128, 129, 130, 191, 192, 193, 255, 256, 257, 320, 383]
+    for h_q in (128, 64):
+        run_case(lens, block_size, h_q, 1, causal=False, seed=block_size + h_q)
+
+
 def test_serving_flashmla_batch():
     # FlashMLA's published setting: b=128, h_q=128, s_q=1, block 64, mean 4096
     lens = varlen(128, 4096, 1, seed=1)
