@@ -124,6 +124,11 @@ struct PairTile {
                 "64-row tiles, one 64-wide rope block, the latent blocks split evenly between the warpgroups");
 };
 
+// How an instance reads the keys: by cp.async (a dense or paged cache,
+// decided at run time), or by TMA from a dense cache or from a paged one
+// (the host made descriptors: TmaMaps::use), each with only its own code.
+enum KeyPath : int { kKeysCopy = 0, kKeysTmaDense = 1, kKeysTmaPaged = 2 };
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Named barriers (0 is __syncthreads).
 enum : int { kBarM0 = 1, kBarM1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg0 = 5 /* 6: warpgroup 1 */ };
@@ -388,8 +393,9 @@ MLA_DEVICE void release_plan(const AttnParams& p, int32_t* ctr, int tid) {
 // work-item loop). Its members are the setup's values (shared-memory
 // carve-up, thread indices) and the item state; everything is inlined into
 // the kernel.
-template <bool kF16, int kDv, bool kPH, bool kTma>
+template <bool kF16, int kDv, bool kPH, int kKeys>
 struct Sm90Block {
+  static constexpr bool kTma = kKeys != kKeysCopy;
   using T = PairTile<kDv>;
   static constexpr int kNB = T::kNB, kHB = T::kHalfNB;
   using E = Half16<kF16>;
@@ -462,7 +468,7 @@ struct Sm90Block {
   // passes under other work: fetch_id returns the raw entry, store_id holds
   // it to the cache (held_page_id): held at the read, the compare sat right
   // after the load in the SASS, so warp 0 waited for the read there.
-  const bool paged = p.block_table != nullptr;
+  const bool paged = kKeys == kKeysTmaPaged || (kKeys == kKeysCopy && p.block_table != nullptr);
   MLA_DEVICE int32_t fetch_id(int jp, int i) {
     if (!paged || jp >= npairs) return 0;
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys, e0 = p.page_div.div(key0);
@@ -1172,8 +1178,8 @@ struct Sm90Block {
 // softmax.
 // The body: the setup (shared-memory carve-up, thread indices, mbarriers),
 // then Sm90Block's work-item loop.
-// kTma: the keys by TMA (the host made descriptors: maps.use), else by cp.async.
-template <bool kF16, int kDv, bool kPH, bool kTma>
+// kKeys: how the keys are read (KeyPath).
+template <bool kF16, int kDv, bool kPH, int kKeys>
 __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
     attention_sm90_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1221,7 +1227,7 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
   const int nlat = dvm / 64;
   if (nlat < kNB) zero_dead_blocks<T>(q_s, nlat, tid);
   pdl_wait();  // launched as a dependent of the planner: its plan is visible from here
-  Sm90Block<kF16, kDv, kPH, kTma>{p, maps, q_s, k_s, s_m, s_l, mb, qbar, ids_s, s_next, tail_s, s_t,
+  Sm90Block<kF16, kDv, kPH, kKeys>{p, maps, q_s, k_s, s_m, s_l, mb, qbar, ids_s, s_next, tail_s, s_t,
                             tid, wg, t, warp, lane, g, t4, r0, r1, dvm, nlat}
       .run();
 #else
@@ -1229,22 +1235,36 @@ __global__ void __launch_bounds__(PairTile<kDv>::kThreads, 1)
 #endif
 }
 
+// f(kernel) for every instance of (kDv, kPH): fp16 or bf16, each key path;
+// the first error, or nullptr.
+template <int kDv, bool kPH, typename F>
+const char* for_each_instance(F&& f) {
+  const char* e = nullptr;
+  auto one = [&](auto kernel) { if (e == nullptr) e = f(kernel); };
+  one(attention_sm90_kernel<false, kDv, kPH, kKeysCopy>);
+  one(attention_sm90_kernel<true, kDv, kPH, kKeysCopy>);
+  one(attention_sm90_kernel<false, kDv, kPH, kKeysTmaDense>);
+  one(attention_sm90_kernel<true, kDv, kPH, kKeysTmaDense>);
+  one(attention_sm90_kernel<false, kDv, kPH, kKeysTmaPaged>);
+  one(attention_sm90_kernel<true, kDv, kPH, kKeysTmaPaged>);
+  return e;
+}
+
 template <int kDv, bool kPH>
 const char* kernel_info_as(AttnKernelInfo* info) {
   using T = PairTile<kDv>;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv, kPH, false>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv, kPH, false>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<false, kDv, kPH, true>, T::kSmem)) return e;
-  if (const char* e = set_max_dynamic_smem(attention_sm90_kernel<true, kDv, kPH, true>, T::kSmem)) return e;
+  const char* e = for_each_instance<kDv, kPH>([&](auto kernel) { return set_max_dynamic_smem(kernel, T::kSmem); });
+  if (e != nullptr) return e;
   info->rows_per_block = kPH ? 32 : T::kM;
   info->tile = T::kTileKeys;
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
-  int blocks = max_active_blocks(attention_sm90_kernel<false, kDv, kPH, false>, T::kThreads, T::kSmem);
-  blocks = std::min(blocks, max_active_blocks(attention_sm90_kernel<true, kDv, kPH, false>, T::kThreads, T::kSmem));
-  blocks = std::min(blocks, max_active_blocks(attention_sm90_kernel<false, kDv, kPH, true>, T::kThreads, T::kSmem));
-  blocks = std::min(blocks, max_active_blocks(attention_sm90_kernel<true, kDv, kPH, true>, T::kThreads, T::kSmem));
+  int blocks = 0x7fffffff;
+  for_each_instance<kDv, kPH>([&](auto kernel) -> const char* {
+    blocks = std::min(blocks, max_active_blocks(kernel, T::kThreads, T::kSmem));
+    return nullptr;
+  });
   info->blocks_per_sm = blocks;
   if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
@@ -1343,9 +1363,14 @@ const char* launch(const AttnParams& p_in, stream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks));
   const bool pdl = sm90_pdl_enabled();
   auto go = [&](auto kernel) { return launch_ex(kernel, grid, dim3(T::kThreads), T::kSmem, stream, pdl, dim3(1), p, maps); };
+  const bool paged = p.block_table != nullptr;
+  if (maps.use && paged)
+    return p.f16 ? go(attention_sm90_kernel<true, kDv, kPH, kKeysTmaPaged>)
+                 : go(attention_sm90_kernel<false, kDv, kPH, kKeysTmaPaged>);
   if (maps.use)
-    return p.f16 ? go(attention_sm90_kernel<true, kDv, kPH, true>) : go(attention_sm90_kernel<false, kDv, kPH, true>);
-  return p.f16 ? go(attention_sm90_kernel<true, kDv, kPH, false>) : go(attention_sm90_kernel<false, kDv, kPH, false>);
+    return p.f16 ? go(attention_sm90_kernel<true, kDv, kPH, kKeysTmaDense>)
+                 : go(attention_sm90_kernel<false, kDv, kPH, kKeysTmaDense>);
+  return p.f16 ? go(attention_sm90_kernel<true, kDv, kPH, kKeysCopy>) : go(attention_sm90_kernel<false, kDv, kPH, kKeysCopy>);
 }
 
 constexpr const char* kSm90Shapes =
