@@ -21,8 +21,7 @@ than four are captured, and later a step whose operands come back soon
 (csrc/api/step_graph.cpp); calls that repeat them replay it: the same work
 without the host's launches. The state kept is bounded: at most four
 captured steps per process, at most four eager-step workspaces per GPU (one
-per stream), the RoPE table per device (128 bytes per position) and the
-attention's map tables (bounded_maps.cpp, four per GPU);
+per stream) and the RoPE table per device (128 bytes per position);
 ``release_cached()`` drops them all.
 
 Every call takes the lean path first (mla_decode._C.fast_step,
@@ -83,8 +82,8 @@ def rope_tables(device, rope, positions):
 
 def release_cached() -> None:
     """Drop every piece of state the package keeps (the captured steps, the
-    RoPE tables and the attention's map tables); the next calls build what
-    they need again."""
+    eager-step workspaces, the lean path's registrations and the RoPE
+    tables); the next calls build what they need again."""
     with _lock:
         _rope_tables.clear()
         _outgrown.clear()

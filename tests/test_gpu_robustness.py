@@ -451,7 +451,7 @@ def test_soak_mixed_calls_memory_flat():
     warm = set()
     capture_streams = {dev: torch.cuda.Stream(device=dev) for dev in devices}  # (PyTorch keeps a BLAS workspace per stream)
 
-    def allocated():  # (every device together: the map tables are per process, built where a cache lives)
+    def allocated():  # (every device together: the captured steps are per process, kept where a cache lives)
         torch.cuda.synchronize()
         return sum(torch.cuda.memory_allocated(d) for d in devices)
 

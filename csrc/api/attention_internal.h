@@ -1,7 +1,7 @@
 // Shared by the attention stage's torch glue (attention_choice.cpp,
-// bounded_maps.cpp, attention_ops.cpp, combine_op.cpp) and nothing else:
-// which kernel runs and its per-device facts, the planner's sizes, and the
-// bounded TMA-map registry's lookup. The module's interface is ops.h.
+// attention_ops.cpp, combine_op.cpp) and nothing else: which kernel runs and
+// its per-device facts, the planner's sizes, and the stream-capture query.
+// The module's interface is ops.h.
 #pragma once
 
 #include <cstdint>
@@ -50,17 +50,7 @@ int portable_rows_per_block(int64_t rows);
 std::pair<int64_t, int64_t> plan_parts(int64_t bs, int64_t s_q, int64_t h_q, const DeviceAttnInfo& info,
                                        bool split = true);
 
-// Whether `stream` is capturing a graph (no bounded-map table is used or
-// built then: a graph would keep a table's address past its drop).
+// Whether `stream` is capturing a graph.
 bool capturing(stream_t stream);
-
-// The registered bounded-map table of this layout, made safe to read on
-// `stream`, or an undefined tensor.
-at::Tensor bounded_table_for(int device, const BoundedLayout& l, stream_t stream);
-
-// bounded_table_for's table, or, for a layout not registered, a new table
-// built on `stream` and registered (attention_bounded_register's work after
-// its checks). `like`: options of the cache (its device).
-at::Tensor bounded_table_or_build(int device, const BoundedLayout& l, const at::TensorOptions& like, stream_t stream);
 
 }  // namespace mla::api::detail

@@ -21,9 +21,15 @@
 namespace mla::api {
 
 using detail::AttnKernel;
-using detail::bounded_table_for;
-using detail::bounded_table_or_build;
 using detail::capturing;
+
+namespace detail {
+bool capturing(stream_t stream) {
+  bool c = false;
+  check_launch(stream_capturing(stream, &c), "stream capture query");
+  return c;
+}
+}  // namespace detail
 using detail::DeviceAttnInfo;
 using detail::device_attn_info;
 using detail::plan_parts;
@@ -170,7 +176,6 @@ struct AttnCall {
   int64_t bs, s_q, h_q, dv, rope, rope_in_key;
   KvLayout kl;
   int capturing;     // whether the current stream captures: 0 / 1, or -1 (not known: asked here)
-  bool build_table;  // build the bounded-map table of an unregistered cache layout (the decode step's)
   bool fp8 = false;       // kv holds e4m3 values standing for value * kv_scale (the portable kernel's fp8 instance)
   double kv_scale = 1.0;  // fp8: the cache's per-tensor scale
 };
@@ -292,7 +297,7 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
                      .kpe = kpe, .kpe_heads = kpe_heads, .plan_in = plan_in, .out = out, .lse = lse,
                      .softmax_scale = softmax_scale, .causal = causal, .split = split, .plan_fresh = plan_fresh,
                      .f16 = f16, .per_head = per_head, .bs = bs, .s_q = s_q, .h_q = h_q, .dv = dv, .rope = rope,
-                     .rope_in_key = rope_in_key, .kl = kl, .capturing = -1, .build_table = false, .fp8 = fp8,
+                     .rope_in_key = rope_in_key, .kl = kl, .capturing = -1, .fp8 = fp8,
                      .kv_scale = kv_scale});
 }
 
@@ -444,24 +449,6 @@ void enqueue_attention(const AttnCall& c) {
   ap.o_scale = static_cast<float>(c.fp8 ? c.kv_scale : 1.0);
   ap.causal = c.causal && s_q > 1;
   ap.f16 = f16;
-  if (info.kind == AttnKernel::kHopper && !block_table.has_value() && !per_head) {
-    const BoundedLayout bl{ap.kv,   ap.kv_row_stride,  ap.kv_page_stride,   ap.max_len, ap.bs, ap.dv + ap.rope,
-                           ap.kpe,  ap.kpe_row_stride, ap.kpe_batch_stride, ap.kpe_rows, ap.rope};
-    // (none while the stream captures: a graph would keep a table's address past its drop)
-    at::Tensor table;
-    if (!cap) {
-      try {
-        table = c.build_table ? bounded_table_or_build(device, bl, kv.options(), stream)
-                              : bounded_table_for(device, bl, stream);
-      } catch (const c10::OutOfMemoryError&) {
-        // (the table is an optimisation: without room for it the kernel runs without; a decode step has
-        // already appended its row, so failing here would leave a half-done step)
-        table = at::Tensor();
-      }
-    }
-    ap.bmaps = table.defined() ? table.data_ptr<uint8_t>() : nullptr;
-    ap.bmaps_len = table.defined() ? ap.max_len : 0;
-  }
   check_launch(info.kind == AttnKernel::kHopper ? launch_attention_sm90(ap, stream)
                                                 : launch_attention_portable(ap, info.kernel.rows_per_block, stream),
                "attention launch");
@@ -508,7 +495,7 @@ void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
                      .kpe_heads = none, .plan_in = pl, .out = out, .lse = lse, .softmax_scale = softmax_scale,
                      .causal = false, .split = split, .plan_fresh = true, .f16 = false, .per_head = false, .bs = bs,
                      .s_q = 1, .h_q = h_q, .dv = head_dim_v, .rope = rope, .rope_in_key = rope, .kl = kl,
-                     .capturing = capturing ? 1 : 0, .build_table = true});
+                     .capturing = capturing ? 1 : 0});
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,

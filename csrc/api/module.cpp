@@ -63,11 +63,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "width rope inside the key (0: per-head rope keys)");
   m.def("plan_target_parts", &mla::api::plan_target_parts, py::arg("device"), py::arg("s_q"), py::arg("h_q"),
         "the split planner's target parts per head block on `device` for s_q x h_q query rows");
-  m.def("attention_bounded_register", &mla::api::attention_bounded_register, py::arg("kv"), py::arg("kpe"),
-        py::arg("dv") = 512,
-        "register a contiguous cache's layout (and kpe's) so the Hopper attention loads partial key halves by TMA "
-        "(outside graph capture); returns the map table, or None where it does not apply (not the Hopper kernel, "
-        "unaligned rows, or capturing)");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none(),
@@ -78,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one decode step of the layer (checked, then enqueued): returns (y [bs, 1, dim], the paths that ran)");
   m.def("gemm_nt_lt", &mla::api::gemm_nt_lt, py::arg("x"), py::arg("w"), py::arg("y"),
         "y = x w^T on cuBLASLt (bf16, 2-D, unit last strides); False where it cannot (nothing ran)");
-  m.def("release_cached", &mla::api::release_cached, "drop the attention's bounded-map tables");
+  m.def("release_cached", &mla::api::release_cached, "drop the decode step's captured graphs and eager-step workspaces");
   m.def("combine", &mla::api::combine, py::arg("o_part"), py::arg("lse_part"));
   mla::api::add_fast_step(m);
 }

@@ -1,9 +1,8 @@
 // Declarations of the torch-facing ops, for the module (module.cpp), the op
 // registration (registration.cpp) and the decode step (step.cpp). Defined in
 // attention_ops.cpp (attention, attention_out, plan), combine_op.cpp,
-// attention_choice.cpp (plan_target_parts, attention_info), bounded_maps.cpp
-// (attention_bounded_register, release_cached), ops_projections.cpp and
-// step.cpp.
+// attention_choice.cpp (plan_target_parts, attention_info), step_graph.cpp
+// (release_cached), ops_projections.cpp and step.cpp.
 #pragma once
 
 #include <tuple>
@@ -28,8 +27,7 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 // fly by rope_cs, no block table, s_q 1. The operands are the step's, which
 // it has checked (their devices, dtypes, shapes and 16-byte rows) or made
 // itself, so no check is repeated here. `capturing`: whether the current
-// stream captures a graph (then no bounded-map table is used); otherwise an
-// unregistered cache layout gets its table built first. A plan passed to
+// stream captures a graph (asked once by the step). A plan passed to
 // attention_out itself may be of other lengths and shared: the lengths are
 // read from seqlens and the work counter is the call's own.
 void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens, const at::Tensor& rope_cs,
@@ -67,19 +65,6 @@ int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
 // takes as `plan`.
 PlanParams step_plan_params(int device, int64_t bs, int64_t h_q, int64_t capacity, bool split, int64_t* plan_elems);
 
-// Register the layout of a contiguous cache kv [bs, max_seq_len, d] (and of
-// its separate rope rows kpe, if any) for the Hopper attention: a table of
-// TMA maps with their row extent cut to every length is built once on the
-// current stream (2 x 128 bytes per row of kv, no host wait), and from then
-// on every attention call on exactly that layout, outside graph capture,
-// loads a sequence's last, partial key half by TMA as well (rows past the
-// length arrive as zeros). The registry keeps the four newest layouts per
-// process (release_cached drops them). Returns the table, or an undefined
-// tensor (nothing done) where the call would not run the Hopper kernel,
-// where TMA cannot describe the rows (16-byte alignment), or while the
-// stream is capturing.
-at::Tensor attention_bounded_register(const at::Tensor& kv, const c10::optional<at::Tensor>& kpe, int64_t dv);
-
 std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::Tensor& lse_part);
 // N partial results of the same queries over disjoint key sets merged by their
 // LSE (decode context parallelism): outs [N, b, s_q, h_q, dv] bf16, fp16 or
@@ -96,8 +81,8 @@ void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Ten
 // pieces from a 16-byte boundary); implemented in ops_projections.cpp.
 void stream_read(const at::Tensor& t);
 
-// Drop the attention's bounded-map tables (their memory returns to the
-// allocator once the streams that used them are past those uses).
+// Drop the decode step's captured graphs and its eager-step workspaces
+// (their memory returns to the allocator once their last uses are done).
 void release_cached();
 
 // What decode_step's `want` asks for and its second result says ran.

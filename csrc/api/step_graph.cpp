@@ -377,4 +377,9 @@ void release_step_graphs() {
   }
 }
 
+void release_cached() {
+  release_step_graphs();
+  release_step_workspaces();
+}
+
 }  // namespace mla::api

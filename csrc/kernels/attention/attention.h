@@ -70,24 +70,6 @@ bool sm90_per_head_supported(int dv);
 // programmatic dependent launch (on by default; MLA_DECODE_PDL=0 turns it off).
 bool sm90_pdl_enabled();
 const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info);
-// The layout a bounded-map table serves (AttnParams.bmaps): a contiguous
-// cache kv [bs][rows][>= d] (row stride, sequence stride, in elements) and,
-// or not, the separate rope rows kpe [bs][kpe_rows][rope].
-struct BoundedLayout {
-  const void* kv;
-  int64_t kv_row_stride, kv_seq_stride, rows, bs, d;
-  const void* kpe;
-  int64_t kpe_row_stride, kpe_seq_stride, kpe_rows, rope;
-  bool operator==(const BoundedLayout& o) const {
-    return kv == o.kv && kv_row_stride == o.kv_row_stride && kv_seq_stride == o.kv_seq_stride && rows == o.rows &&
-           bs == o.bs && d == o.d && kpe == o.kpe && kpe_row_stride == o.kpe_row_stride &&
-           kpe_seq_stride == o.kpe_seq_stride && kpe_rows == o.kpe_rows && rope == o.rope;
-  }
-};
-// Fill `table` ((rows + 1) * 256 bytes, 128-byte aligned, device memory)
-// with the maps the kernel uses for this layout, each with its row extent
-// cut to L for slot L (built on the device from two host-encoded templates).
-const char* build_bounded_maps_sm90(const BoundedLayout& l, void* table, stream_t stream);
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
 
 }  // namespace mla

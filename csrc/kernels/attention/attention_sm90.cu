@@ -23,9 +23,9 @@
 // Shared memory: Q, K0, K1 (64 rows x (NB + 1) 128B-swizzled 64-column
 // blocks) and a few hundred bytes. P0 and P1 live in column block NB (the
 // rope block) of their own key buffer, which nothing reads between its S and
-// its reload. Loads are TMA boxes for full 64-key halves (and for partial
-// ones with length-bounded maps; cp.async for the rest, see load_half), each
-// group completing an mbarrier; the loads of a
+// its reload. Loads are TMA boxes (a partial last half whole, its rows past
+// the length zeroed before P V) where the host made descriptors, else
+// cp.async (see load_half), each group completing an mbarrier; the loads of a
 // buffer's column blocks are issued by the warpgroup whose matrix product was
 // the last to read them (H = NB / 2; at dv 512: H = 4, NB = 8):
 //   K0 blocks [0, H)      WG0 (after P0 V0L)   K0 blocks [H, NB]  WG1 (after P0 V0R; block NB held P0)
@@ -1319,32 +1319,6 @@ TmaMaps make_maps(const AttnParams& p) {
   return m;
 }
 
-// The bounded-map table (AttnParams.bmaps): slot L holds the cache's map and
-// kpe's map of make_maps with their row extent cut to L, so that the TMA
-// unit reads a sequence's last, partial key half with the rows past its
-// length as zeros (by cp.async such a half costs more than a whole one by
-// TMA).
-// One thread per length: the template's 128 bytes, then its row extent.
-__global__ void build_bounded_maps_kernel(const __grid_constant__ CUtensorMap kv_t,
-                                          const __grid_constant__ CUtensorMap kpe_t, int with_kpe,
-                                          unsigned char* table, int rows) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const int L = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (L < 1 || L > rows) return;
-  for (int m = 0; m < (with_kpe ? 2 : 1); ++m) {
-    const uint4* src = reinterpret_cast<const uint4*>(m ? &kpe_t : &kv_t);
-    uint4* dst = reinterpret_cast<uint4*>(table + 256 * static_cast<int64_t>(L) + 128 * m);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) dst[i] = src[i];
-    asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;\n" ::"l"(
-                     static_cast<uint64_t>(__cvta_generic_to_global(dst))),
-                 "r"(L)
-                 : "memory");
-  }
-  asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
-#endif
-}
-
 // Persistent launch (one block per resident slot, items from the work
 // counter) unless MLA_DECODE_PERSIST=0 (one block per item: measurements).
 // As a programmatic dependent of the planner unless MLA_DECODE_PDL=0.
@@ -1415,22 +1389,6 @@ const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
   return on_dv_instance(dv, [&](auto k) { return kernel_info<decltype(k)::value>(per_head, info); });
 }
 
-const char* build_bounded_maps_sm90(const BoundedLayout& l, void* table, stream_t stream) {
-  if (reinterpret_cast<uintptr_t>(table) % 128 != 0) return "build_bounded_maps_sm90: the table must be 128-byte aligned";
-  if (l.rows < 1 || l.rows > 0x7ffffffe || l.bs < 1) return "build_bounded_maps_sm90: bad rows or bs";
-  CUtensorMap kv_t{}, kpe_t{};
-  if (!encode_rows(&kv_t, l.kv, l.d, l.rows, l.bs, l.kv_row_stride, l.kv_seq_stride, 64, true))
-    return "build_bounded_maps_sm90: TMA cannot describe the cache (16-byte aligned base and strides needed)";
-  if (l.kpe != nullptr &&
-      !encode_rows(&kpe_t, l.kpe, l.rope, l.kpe_rows, l.bs, l.kpe_row_stride, l.kpe_seq_stride, 64, true))
-    return "build_bounded_maps_sm90: TMA cannot describe kpe (16-byte aligned base and strides needed)";
-  const int threads = 256;
-  const int64_t blocks = (l.rows + 1 + threads - 1) / threads;
-  build_bounded_maps_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      kv_t, kpe_t, l.kpe != nullptr ? 1 : 0, static_cast<unsigned char*>(table), static_cast<int>(l.rows));
-  return last_launch_error();
-}
-
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   if (p.rope_scores != nullptr) {
     if (p.rope != 0 || p.rope_cs != nullptr || p.kpe != nullptr) return kSm90Shapes;
@@ -1449,7 +1407,6 @@ bool sm90_shape_supported(int, int) { return false; }
 bool sm90_per_head_supported(int) { return false; }
 const char* attn_kernel_info_sm90(int, bool, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
 const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
-const char* build_bounded_maps_sm90(const BoundedLayout&, void*, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
 
 #endif
 

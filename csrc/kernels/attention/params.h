@@ -85,11 +85,6 @@ struct AttnParams {
   int dv;                     // value width Dv (D = dv + rope)
   int rope;                   // rope width inside D (the last `rope` columns of the key); 0 with rope_scores
   float scale_log2;           // softmax_scale * log2(e)
-  const unsigned char* bmaps;  // Hopper, contiguous cache, or nullptr: a table of TMA maps whose row extent
-                              //   is a length, slot L (256 bytes) = the kv map and the kpe map of
-                              //   build_bounded_maps_sm90 with L rows, L in [1, bmaps_len]: a half
-                              //   holding the length goes by TMA, its rows past L arriving as zeros
-  int bmaps_len;
   bool causal;                // s_q > 1: query i sees positions < L - (s_q - 1 - i)
   bool f16;                   // q, kv, kpe and o hold fp16 (else bf16); on-the-fly RoPE is bf16 only
   bool kv_fp8;                // kv holds e4m3 values (float8_e4m3fn on NVIDIA, float8_e4m3fnuz on AMD) that
