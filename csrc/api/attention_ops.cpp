@@ -20,9 +20,6 @@
 
 namespace mla::api {
 
-using detail::AttnKernel;
-using detail::capturing;
-
 namespace detail {
 bool capturing(stream_t stream) {
   bool c = false;
@@ -30,6 +27,9 @@ bool capturing(stream_t stream) {
   return c;
 }
 }  // namespace detail
+
+using detail::AttnKernel;
+using detail::capturing;
 using detail::DeviceAttnInfo;
 using detail::device_attn_info;
 using detail::plan_parts;
