@@ -29,15 +29,16 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // A [d2][d1][d0] tensor of 16-bit elements (strides s1, s2 in elements) as
 // boxes of 64 x box_rows x 1, 128-byte swizzle; box elements past d0 (or d1)
 // read as zeros. False if TMA cannot describe it (base or a stride not
-// 16-byte aligned, box_rows outside [1, 256], no encoder) or box_rows > d1.
+// 16-byte aligned, box_rows outside [1, 256], no encoder) or, unless
+// box_past_end, box_rows > d1.
 // The maps a thread encoded last are kept (a map is plain data describing
 // addresses and sizes, the same on every device), so repeated calls on the
 // same tensors skip the driver's encoder.
 inline bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1,
-                        int64_t s2, int box_rows) {
+                        int64_t s2, int box_rows, bool box_past_end = false) {
   const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
   if (enc == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (s1 * 2) % 16 != 0 || (s2 * 2) % 16 != 0 ||
-      d0 < 1 || d1 < 1 || box_rows < 1 || box_rows > 256 || d1 < box_rows || d2 < 1)
+      d0 < 1 || d1 < 1 || box_rows < 1 || box_rows > 256 || (d1 < box_rows && !box_past_end) || d2 < 1)
     return false;
   struct Key {
     const void* base;
