@@ -72,7 +72,6 @@ stages = [
     ("bmm W_UV", lambda: torch.bmm(o_lat.view(bs, 128, 512).transpose(0, 1), wkv[:, 128:].transpose(1, 2),
                                    out=obuf.transpose(0, 1))),
     ("wo cuBLASLt", lambda: C.gemm_nt_lt(obuf.view(bs, -1), config.wo_weight, y)),
-    ("attention_bounded_register", lambda: C.attention_bounded_register(kv.data, None, 512)),
 ]
 for name, fn in stages:
     print(f"  {name + ':':31s} {host_us(fn):8.1f}")
