@@ -48,6 +48,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from . import kernel_choice
 from . import projections
 from . import _ext
 from ._ext import kernels_usable
@@ -159,17 +160,18 @@ class DCPDecoder:
             y, _ = self._single(config, x, kv_local)
             self.last_backend = self._single.last_backend
             return y, data
-        kernel_sizes = dims.kv_lora == 512 and dims.rope == 64
+        refused = kernel_choice.step_sizes_refused(dims)
         if self.backend == "auto":
-            which = "kernels" if kernels_usable(x.device) and kernel_sizes else "torch"
+            which = "kernels" if kernels_usable(x.device) and refused is None else "torch"
             if which == "torch":
-                warn_fallback("DCPDecoder", x.device, _ext.backend(x.device) if not kernels_usable(x.device) else
-                              f"kv_lora_rank={dims.kv_lora}, rope={dims.rope} (the kernels take 512 and 64)")
+                why = refused if kernels_usable(x.device) else _ext.backend(x.device)
+                warn_fallback("DCPDecoder", x.device, why)
         else:
             which = self.backend
-        if which == "kernels" and not (kernels_usable(x.device) and kernel_sizes):
-            raise MLAInputError(f"backend='kernels' needs a GPU the kernels run on and kv_lora_rank 512, "
-                                f"qk_rope_head_dim 64; got {x.device}, {dims.kv_lora}, {dims.rope}")
+        if which == "kernels" and not (kernels_usable(x.device) and refused is None):
+            raise MLAInputError(f"backend='kernels' needs a GPU the kernels run on and kv_lora_rank "
+                                f"{kernel_choice.STEP_KV_LORA}, qk_rope_head_dim {kernel_choice.STEP_ROPE}; "
+                                f"got {x.device}, {dims.kv_lora}, {dims.rope}")
         with torch.no_grad():
             y = self._step(config, dims, x, data, pos, world, rank, which)
         kv_local.seq_len = pos + 1

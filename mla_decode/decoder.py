@@ -183,12 +183,11 @@ class MLADecoder:
     def _choose(self, dims, device):
         if self.backend == "torch":
             return "torch"
-        supported = dims.kv_lora == 512 and dims.rope == 64
+        refused = kernel_choice.step_sizes_refused(dims)
         usable = _ext.kernels_usable(device)
-        if usable and supported:
+        if usable and refused is None:
             return "kernels"
-        why = (f"kv_lora_rank={dims.kv_lora}, rope={dims.rope} (the kernels take 512 and 64)"
-               if usable else _ext.backend(device))
+        why = refused if usable else _ext.backend(device)
         if self.backend == "kernels":
             raise RuntimeError(f"backend='kernels' requested but not usable: {why}")
         if device.type == "cuda" and why not in self._warned:

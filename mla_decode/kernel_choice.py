@@ -33,13 +33,23 @@ from . import _ext
 
 __all__ = ["Settings", "settings", "reload_settings", "hopper", "sm_count", "attention_kernel", "gemm_path",
            "query_path", "blas_lt_path", "step_want", "STEP_DOWN_OWN", "STEP_QUERY_FUSED", "STEP_WO_LT",
-           "STEP_GRAPH", "STEP_CAPTURED", "STEP_PLAN_IN_QUERY", "describe_step_paths"]
+           "STEP_GRAPH", "STEP_CAPTURED", "STEP_PLAN_IN_QUERY", "describe_step_paths", "STEP_KV_LORA", "STEP_ROPE",
+           "step_sizes_refused"]
 
 # the decode step's paths (mla_decode._C.decode_step's `want` and its report)
 STEP_DOWN_OWN, STEP_QUERY_FUSED, STEP_WO_LT = 1, 2, 4
 STEP_GRAPH = 8  # reported only: the call replayed the step's captured graph
 STEP_CAPTURED = 16  # reported only: the call ran eagerly, then captured the step for the next call to replay
 STEP_PLAN_IN_QUERY = 32  # reported only: the fused query wrote the attention's lengths and plan (no planner kernel)
+# the latent and rope widths the decode step's kernels are built for (the extension's decode_step checks them too)
+STEP_KV_LORA, STEP_ROPE = 512, 64
+
+
+def step_sizes_refused(dims) -> str | None:
+    """None where the decode step's kernels take these sizes (validate's Dims), else why not."""
+    if dims.kv_lora == STEP_KV_LORA and dims.rope == STEP_ROPE:
+        return None
+    return f"kv_lora_rank={dims.kv_lora}, rope={dims.rope} (the kernels take {STEP_KV_LORA} and {STEP_ROPE})"
 
 
 @dataclass(frozen=True)

@@ -203,3 +203,14 @@ def test_fallback_warnings_of_the_dcp_code_come_once_per_place_and_only_for_gpus
 def test_backend_is_named():
     text = mla_decode.backend("cpu")
     assert text.startswith("torch-fallback (") and len(text) > 20
+
+
+def test_the_step_kernels_sizes_are_named_in_one_place():
+    # decoder.py and dcp_step.py both ask kernel_choice whether the step's kernels take these sizes
+    from types import SimpleNamespace
+
+    from mla_decode import kernel_choice
+    assert kernel_choice.step_sizes_refused(SimpleNamespace(kv_lora=512, rope=64)) is None
+    why = kernel_choice.step_sizes_refused(SimpleNamespace(kv_lora=256, rope=64))
+    assert why is not None and "kv_lora_rank=256" in why and "512 and 64" in why
+    assert kernel_choice.step_sizes_refused(SimpleNamespace(kv_lora=512, rope=32)) is not None
