@@ -137,7 +137,7 @@ class DCPDecoder:
                 if t is None or t.shape[0] < cap:
                     if t is not None:  # (kept: a graph captured with it reads it where it lies)
                         self._outgrown.append(t)
-                    full = rope_tables(device, rope, world * cap)[0]
+                    full = rope_tables(device, rope, world * cap).cs
                     t = self._tables[key] = full[rank::world][:cap].contiguous()
         return t
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -54,11 +55,18 @@ __all__ = ["MLADecoder", "MLAInputError", "custom_kernel", "Dims", "release_cach
 
 _ROPE = CONFIG_DIMS.index("qk_rope_head_dim")  # the rope width's place in config_dims(config)
 _lock = threading.Lock()
-_rope_tables = {}  # device -> (cos | sin table [n, rope] as the kernels take it, cos2, sin2 [n, rope] in [a, a])
+_rope_tables = {}  # (device, rope) -> RopeTables
 _outgrown = []  # tables replaced by longer ones: kept until release_cached() (graphs may read them)
 
 
-def rope_tables(device, rope, positions):
+class RopeTables(NamedTuple):
+    """A device's RoPE tables for one rope width, n positions."""
+    cs: torch.Tensor  # [n, rope] bf16: cos | sin of the rope/2 frequencies, as the kernels take it
+    cos2: torch.Tensor  # [n, rope]: cos in the [a, a] layout (the PyTorch paths')
+    sin2: torch.Tensor  # [n, rope]: sin in the [a, a] layout
+
+
+def rope_tables(device, rope, positions) -> RopeTables:
     """RoPE tables covering at least ``positions`` positions on ``device``
     (one per device and rope width, grown to the longest cache seen, in
     powers of two). A table outgrown stays alive until release_cached(): a
@@ -66,17 +74,17 @@ def rope_tables(device, rope, positions):
     package captured) reads it where it lies."""
     key = (device, rope)
     t = _rope_tables.get(key)
-    if t is None or t[0].shape[0] < positions:
+    if t is None or t.cs.shape[0] < positions:
         with _lock:
             t = _rope_tables.get(key)
-            if t is None or t[0].shape[0] < positions:
+            if t is None or t.cs.shape[0] < positions:
                 if t is not None:
                     _outgrown.append(t)
                 table = rope_table(1 << max(int(positions) - 1, 0).bit_length(), rope, device)
                 half = rope // 2
                 cos2 = torch.cat([table[:, :half], table[:, :half]], dim=-1)
                 sin2 = torch.cat([table[:, half:], table[:, half:]], dim=-1)
-                t = _rope_tables[key] = (table, cos2, sin2)
+                t = _rope_tables[key] = RopeTables(table, cos2, sin2)
     return t
 
 
@@ -139,7 +147,7 @@ class MLADecoder:
         which, want = plan
         if which == "kernels":
             try:
-                table = rope_tables(x.device, sizes[_ROPE], data.shape[1])[0]
+                table = rope_tables(x.device, sizes[_ROPE], data.shape[1]).cs
             except (AttributeError, IndexError, TypeError):  # data is no [bs, max_seq_len, d] tensor: validate says so
                 validate(config, x, kv_cache)
                 raise

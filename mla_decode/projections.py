@@ -112,8 +112,9 @@ def query_rope_append(q_lora, w_qu, w_uk, kv_new, seqlens, tables, qbuf, cache, 
     r = w_uk.shape[2]
     path = query_path(q_lora, w_qu, w_uk, qbuf) if kernel else None
     if path == "sm90":
+        cs, _, _ = tables
         torch.ops.mla_decode.query_fused(q_lora, w_qu, w_uk, qbuf[:, :, :r], _rope_out(qbuf, qbuf.shape[-1] - r), True,
-                                         kv_new, seqlens, tables[0], cache, kpe)
+                                         kv_new, seqlens, cs, cache, kpe)
         return _attention_query(qbuf)
     q_pe = query(q_lora, w_qu, w_uk, qbuf, path=path)
     return rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=kernel, kpe=kpe)
@@ -133,18 +134,19 @@ def rope_append(q_pe, kv_new, seqlens, tables, qbuf, cache, kernel=True, kpe=Non
     attention's query view of qbuf, [bs, 1, H, r + rope]."""
     rope = q_pe.shape[-1]
     q_out = _rope_out(qbuf, rope)
+    cs, cos2, sin2 = tables
     if kernel:
-        torch.ops.mla_decode.rope_append(q_pe, kv_new, seqlens, tables[0], q_out, cache, kpe)
+        torch.ops.mla_decode.rope_append(q_pe, kv_new, seqlens, cs, q_out, cache, kpe)
     else:
         # (the kernel's skip, without a host synchronisation: positions clamped for the gathers, the
         # skipped sequences' old values written back)
         pos = seqlens.to(torch.int64) - 1
-        limit = min(cache.shape[1], tables[1].shape[0])
+        limit = min(cache.shape[1], cos2.shape[0])
         if limit == 0:  # (no position fits: every sequence skipped)
             return _attention_query(qbuf)
         ok = (pos >= 0) & (pos < limit)
         pos = pos.clamp(0, limit - 1)
-        cos, sin = tables[1][pos].unsqueeze(1), tables[2][pos].unsqueeze(1)
+        cos, sin = cos2[pos].unsqueeze(1), sin2[pos].unsqueeze(1)
         q_out.copy_(torch.where(ok[:, None, None], rope_rotate(q_pe, cos, sin), q_out))
         rows = torch.arange(cache.shape[0], device=cache.device)
         new = torch.where(ok[:, None], kv_new.to(cache.dtype), cache[rows, pos])

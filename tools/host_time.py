@@ -38,7 +38,7 @@ def host_us(fn, n=50):
 
 C = mla_decode._ext.module()
 sizes = config_dims(config)
-table = rope_tables(x.device, 64, kv.data.shape[1])[0]
+table = rope_tables(x.device, 64, kv.data.shape[1]).cs
 want = kernel_choice.step_want(x.device, mla_decode.validate.validate(config, x, kv))
 ws = [getattr(config, n) for n in WEIGHTS]
 kv.seq_len = prefill
