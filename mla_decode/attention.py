@@ -243,8 +243,11 @@ if kernels_built():
     @torch.library.register_fake("mla_decode::plan")
     def _plan_fake(seqlens, s_q, h_q, capacity, split=True):
         # int32 [plan_size(bs, max parts)]: the parts depend on the GPU's SM count, so the length is
-        # data-dependent for tracing
-        return seqlens.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int32)
+        # data-dependent for tracing; it holds at least the header's 2 ints and 2 per sequence (what
+        # get_mla_metadata slices: told so, a trace knows num_splits is [bs + 1])
+        n = torch.library.get_ctx().new_dynamic_size()
+        torch._check(n >= 2 + 2 * seqlens.shape[0])
+        return seqlens.new_empty(n, dtype=torch.int32)
 
     @torch.library.register_fake("mla_decode::attention")
     def _attention_fake(q, kv, seqlens, block_table, rope_cs, softmax_scale, causal, kpe=None, head_dim_v=DV,

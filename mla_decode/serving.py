@@ -73,13 +73,16 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
         raise ValueError(f"num_heads_k must be 1 (MLA shares one latent KV head), got {num_heads_k}")
     if num_heads_per_head_k <= 0:
         raise ValueError(f"num_heads_per_head_k must be positive, got {num_heads_per_head_k}")
-    b = cache_seqlens.shape[0]
     # capacity is unknown here: plan against the lengths as given (the call
     # re-plans against its cache's capacity anyway)
     plan = torch.ops.mla_decode.plan(cache_seqlens, 1, int(num_heads_per_head_k), 2 ** 31 - 1)
+    return plan, _num_splits(plan, cache_seqlens.shape[0])
+
+
+def _num_splits(plan, b):
+    """FlashMLA's num_splits [b + 1] (cumulative splits per sequence) from our plan's per-sequence split counts."""
     splits = plan[2:2 + 2 * b:2]
-    num_splits = torch.cat([splits.new_zeros(1), torch.cumsum(splits, 0, dtype=torch.int32)])
-    return plan, num_splits
+    return torch.cat([splits.new_zeros(1), torch.cumsum(splits, 0, dtype=torch.int32)])
 
 
 def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,

@@ -233,3 +233,36 @@ def test_plan_and_attention_trace_with_fake_tensors():
     kv8 = torch.zeros(4, 64, 576).to(FP8_KV_DTYPE)
     graph = make_fx(step_fp8, tracing_mode="symbolic")(seqlens, q, kv8)
     assert torch.ops.mla_decode.attention.default in [n.target for n in graph.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.skipif(not mla_decode._ext.kernels_built(), reason="the extension is not built")
+def test_serving_metadata_traces_with_its_split_count_known():
+    """get_mla_metadata's num_splits is [b + 1] to a tracer, as flash_mla_with_kvcache checks it: the plan's
+    length is data-dependent, but the fake says it holds at least the 2 + 2 b ints num_splits is sliced from
+    (without that bound the check `num_splits.shape != (b + 1,)` cannot be decided while tracing:
+    "Could not guard on data-dependent expression")."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mla_decode.serving import _num_splits
+
+    def meta(seqlens):
+        plan = torch.ops.mla_decode.plan(seqlens, 1, 128, 2 ** 31 - 1)
+        num_splits = _num_splits(plan, seqlens.shape[0])
+        if num_splits.shape != (seqlens.shape[0] + 1,):  # (flash_mla_with_kvcache's check)
+            raise AssertionError(f"num_splits {num_splits.shape}")
+        return plan, num_splits
+
+    seqlens = torch.full((8,), 10, dtype=torch.int32)
+    make_fx(meta, tracing_mode="symbolic")(seqlens)
+    # torch.compile with the batch static, as a first compile traces it; a backend that keeps the graph and
+    # runs nothing (these ops have no CPU kernels)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: None
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch.compile(meta, fullgraph=True, backend=keep, dynamic=False)(seqlens)
+    assert len(graphs) == 1
