@@ -63,6 +63,24 @@ def test_serving_partial_key_halves_at_every_boundary(block_size):
         run_case(lens, block_size, h_q, 1, causal=False, seed=block_size + h_q)
 
 
+def test_serving_api_under_torch_compile_fullgraph():
+    """get_mla_metadata and flash_mla_with_kvcache compiled as one graph (FlashMLA's calling code under
+    torch.compile): the plan's length is data-dependent, so this needs dynamic output shapes captured."""
+    lens = [300, 77, 1, 128, 0, 641]
+    q, pages, table, seqlens = make_paged(lens, 64, seed=5)
+    k_cache = pages.unsqueeze(2)
+
+    def step(q, k_cache, table, seqlens):
+        meta, splits = get_mla_metadata(seqlens, q.shape[1] * q.shape[2], 1)
+        return flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits)
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out, lse = torch.compile(step, fullgraph=True)(q, k_cache, table, seqlens)
+    ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, dtype=torch.float32)
+    check(out, lse, ro.double(), rl.double(), "torch.compile(fullgraph=True)")
+
+
 def test_serving_flashmla_batch():
     # FlashMLA's published setting: b=128, h_q=128, s_q=1, block 64, mean 4096
     lens = varlen(128, 4096, 1, seed=1)
