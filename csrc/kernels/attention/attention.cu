@@ -50,14 +50,17 @@ namespace {
 
 // kM rows per block; scores on a kSMW x kSDW warp grid, P V on kPMW x
 // (warps / kPMW); kBN keys per tile, kStages tiles in the ring; kMinBlocks
-// blocks per SM/CU the register allocation must allow.
-template <int kD_, int kDv_, int kM_, int kSMW_, int kSDW_, int kPMW_, int kBN_, int kStages_, int kMinBlocks_>
+// blocks per SM/CU the register allocation must allow; kLoadParts (1 or 3):
+// a refill's cp.async copies issued at once, or a third before each stage.
+template <int kD_, int kDv_, int kM_, int kSMW_, int kSDW_, int kPMW_, int kBN_, int kStages_, int kMinBlocks_,
+          int kLoadParts_ = 1>
 struct AttnTile {
   static constexpr int kD = kD_;
   static constexpr int kDv = kDv_;
   static constexpr int kRope = kD - kDv;  // 0: per-head rope keys (scores from the workspace)
   static constexpr bool kHeadRope = kRope == 0;
   static constexpr int kM = kM_, kBN = kBN_, kStages = kStages_, kMinBlocks = kMinBlocks_;
+  static constexpr int kLoadParts = kLoadParts_;
   static constexpr int kWarps = kSMW_ * kSDW_;
   static constexpr int kThreads = kWarps * kWarpSize;
   // scores: warp grid, rows and k-steps per warp
@@ -100,6 +103,7 @@ struct AttnTile {
                     kBN % kSmLanes == 0 && kSmCols % 2 == 0,
                 "softmax: a row's lanes must be a power of two within a warp, with an even count of keys each");
   static_assert(kStages >= 2, "need at least double buffering");
+  static_assert(kLoadParts == 1 || kLoadParts == 3, "a refill's copies: in 1 part or 3 (a part may be empty)");
 };
 
 // The tile configurations per vendor and head block (kM = 16, 32 or 64 rows).
@@ -119,7 +123,8 @@ struct TileChoice<kD, kDv, 16> { using type = AttnTile<kD, kDv, 16, 1, 2, 1, 16,
 #else
 // NVIDIA (when the Hopper kernel is not used): 64 rows on 8 warps, scores on
 // 2 x 4 (32 rows x 144 columns: Q slice 72 registers), P V on 1 x 8 (64 rows x
-// 64 columns: O 128), one block per SM, a 3 x 32-key ring; 32 rows on 4 warps
+// 64 columns: O 128), one block per SM, a 3 x 32-key ring, a refill's copies
+// spread over the three stages; 32 rows on 4 warps
 // (scores 1 x 4, P V 1 x 4), two blocks per SM; 16 rows (dv 512) on 8 warps
 // (scores 1 x 8 over D padded to 640, P V 1 x 8: 120 registers), two blocks
 // per SM, each a 2 x 32-key ring. The choices and the ones measured slower:
@@ -127,7 +132,7 @@ struct TileChoice<kD, kDv, 16> { using type = AttnTile<kD, kDv, 16, 1, 2, 1, 16,
 template <int kD, int kDv, int kM>
 struct TileChoice;
 template <int kD, int kDv>
-struct TileChoice<kD, kDv, 64> { using type = AttnTile<kD, kDv, 64, 2, 4, (kDv >= 128 ? 1 : 2), 32, 3, 1>; };
+struct TileChoice<kD, kDv, 64> { using type = AttnTile<kD, kDv, 64, 2, 4, (kDv >= 128 ? 1 : 2), 32, 3, 1, 3>; };
 template <int kD, int kDv>
 struct TileChoice<kD, kDv, 32> { using type = AttnTile<kD, kDv, 32, 1, 4, 1, 32, 2, 2>; };
 template <int kD, int kDv>
@@ -181,32 +186,79 @@ MLA_DEVICE void load_rope_scores(const AttnParams& p, const Part& pt, int j, con
   }
 }
 
-// Issue the copies of key tile j of the part into its ring slot (and its
-// cos|sin rows or per-head rope scores). Each thread copies kLdSteps chunks
-// of one key row: one page lookup per row and tile.
+// Chunk k of a thread's kLdSteps 16-byte chunks of its key row (lr: its place
+// among the row's kLdTpr threads): its index, whether it lies inside the row
+// (else a padding column: zeros) and whether it holds rope columns (read from
+// kpe where given). Both are known from k alone wherever kLdTpr divides the
+// boundaries (the 576/512 shape at every tile), so that each chunk's address is
+// its row's base plus a constant: no select and no address register per
+// chunk. (With a select per chunk, at 255 registers ptxas kept one address pair
+// for all of a tile's copies, each waiting for the one before to read it.)
+struct KeyChunk {
+  int ch;
+  bool in_row, rope;
+};
+
 template <typename T>
-MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
-  const int slot = j % T::kStages, tile = pt.tile_begin + j;
-  {
-    const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr, t = tile * T::kBN + r;
-    const bool row_ok = t < pt.L;
-    const bf16_t* row = row_ok ? kv_row(p, pt.b, t) : p.kv;
-    const bf16_t* kpe_row = row_ok && p.kpe != nullptr
-                                ? p.kpe + pt.b * p.kpe_batch_stride + static_cast<int64_t>(t) * p.kpe_row_stride
-                                : p.kv;
-    bf16_t* dst = sm.kv + (slot * T::kBN + r) * T::kLd;
-    constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
+MLA_DEVICE KeyChunk key_chunk(int k, int lr) {
+  constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
+  const int ch = lr + k * T::kLdTpr;
+  const bool in_row = (k + 1) * T::kLdTpr <= T::kChunksPerRow || ch < T::kChunksPerRow;
+  const bool rope = kRopeChunk % T::kLdTpr == 0 ? k >= kRopeChunk / T::kLdTpr : ch >= kRopeChunk;
+  return {ch, in_row, rope};
+}
+
+// The cp.async key path: each thread copies kLdSteps chunks of one key row of
+// tile j into its ring slot (one page lookup per row and tile), in one part
+// or, with kLoadParts 3, a third before each of the tile's stages, so that a
+// warp's copies wait for the load unit beside the other warps' products
+// instead of all together. (Issued at once, the copies of all 8 warps of the
+// 64-row block queued together, and the first instruction after them that
+// reused a register they read waited for the last to leave the queue:
+// docs/portable.md.)
+// One thread's key row of tile j: its source (the latent row and the rope
+// columns' base) and its ring-slot row.
+struct KeyRow {
+  const bf16_t* row;
+  const bf16_t* rope;
+  bf16_t* dst;
+  bool ok;  // the row lies before the length
+  int lr;   // the thread's place among the row's kLdTpr threads
+};
+
+template <typename T>
+MLA_DEVICE KeyRow key_row(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
+  const int slot = j % T::kStages, r = tid / T::kLdTpr, t = (pt.tile_begin + j) * T::kBN + r;
+  const bool ok = t < pt.L;
+  const bf16_t* row = ok ? kv_row(p, pt.b, t) : p.kv;
+  const bf16_t* rope = ok && p.kpe != nullptr
+                           ? p.kpe + pt.b * p.kpe_batch_stride + static_cast<int64_t>(t) * p.kpe_row_stride
+                           : row + T::kDv;
+  return {row, rope, sm.kv + (slot * T::kBN + r) * T::kLd, ok, tid % T::kLdTpr};
+}
+
+// Chunks [kFrom, kTo) of the thread's kLdSteps (a chunk of a row past the length, or a padding column, copies
+// 0 bytes: zeros, its address not read).
+template <typename T, int kFrom, int kTo>
+MLA_DEVICE void copy_chunks(const KeyRow& kr) {
 #pragma unroll
-    for (int k = 0; k < T::kLdSteps; ++k) {
-      const int ch = lr + k * T::kLdTpr;
-      if (T::kChunksPadded % T::kLdTpr != 0 && ch >= T::kChunksPadded) break;
-      const bool valid = row_ok && ch < T::kChunksPerRow;  // (padding columns: zeros)
-      const bf16_t* src = !valid                                   ? p.kv
-                          : (p.kpe != nullptr && ch >= kRopeChunk) ? kpe_row + (ch - kRopeChunk) * 8
-                                                                   : row + ch * 8;
-      copy16_async(dst + ch * 8, src, valid);
-    }
+  for (int k = kFrom; k < kTo; ++k) {
+    const KeyChunk c = key_chunk<T>(k, kr.lr);
+    if (T::kChunksPadded % T::kLdTpr != 0 && c.ch >= T::kChunksPadded) break;
+    copy16_async(kr.dst + c.ch * 8, c.rope ? kr.rope + (c.ch - T::kDv / 8) * 8 : kr.row + c.ch * 8, kr.ok && c.in_row);
   }
+}
+
+// Part q of kLoadParts of the chunks.
+template <typename T, int q>
+MLA_DEVICE void copy_part(const KeyRow& kr) {
+  copy_chunks<T, q * T::kLdSteps / T::kLoadParts, (q + 1) * T::kLdSteps / T::kLoadParts>(kr);
+}
+
+// The cos|sin rows or per-head rope scores of tile j.
+template <typename T>
+MLA_DEVICE void load_tile_extras(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
+  const int slot = j % T::kStages, tile = pt.tile_begin + j;
   if constexpr (T::kHeadRope) {  // the rope scores of this block's rows for these keys (4 per chunk)
     load_rope_scores<T>(p, pt, j, sm, tid);
   } else if (p.rope_cs != nullptr) {  // the keys' cos|sin rows travel with them
@@ -219,6 +271,13 @@ MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem
                    valid);
     }
   }
+}
+
+// All of tile j's copies (the ring's first tiles).
+template <typename T>
+MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
+  copy_chunks<T, 0, T::kLdSteps>(key_row<T>(p, pt, j, sm, tid));
+  load_tile_extras<T>(p, pt, j, sm, tid);
 }
 
 // Register-staged key loads: each thread reads its chunks of tile j into
@@ -271,26 +330,25 @@ MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, int32_t e
   const int tile = pt.tile_begin + j;
   const int r = tid / T::kLdTpr, lr = tid % T::kLdTpr, t = tile * T::kBN + r;
   const bool row_ok = t < pt.L;
+  // (a row past the length reads the cache's first row, and a padding column the row's start, in place of
+  // theirs: readable addresses, the values replaced by zeros)
   const unsigned char* base = reinterpret_cast<const unsigned char*>(p.kv);
   const unsigned char* row = base;
-  const unsigned char* kpe_row = base;
+  const unsigned char* rope = base + T::kDv * kE;  // the rope columns' base
   if (row_ok) {
     // (an id outside the cache reads page 0, as page_id)
     const int64_t page = p.block_table == nullptr ? pt.b : held_page_id(entry, p.num_pages);
     row = base + (page * p.kv_page_stride + (p.block_table == nullptr ? t : p.page_div.mod(t)) * p.kv_row_stride) * kE;
-    if (!kFp8 && p.kpe != nullptr)
-      kpe_row = reinterpret_cast<const unsigned char*>(p.kpe + pt.b * p.kpe_batch_stride +
-                                                       static_cast<int64_t>(t) * p.kpe_row_stride);
+    rope = !kFp8 && p.kpe != nullptr
+               ? reinterpret_cast<const unsigned char*>(p.kpe + pt.b * p.kpe_batch_stride +
+                                                        static_cast<int64_t>(t) * p.kpe_row_stride)
+               : row + T::kDv * kE;
   }
-  constexpr int kRopeChunk = T::kDv / 8;  // the first chunk of the rope columns
 #pragma unroll
   for (int k = 0; k < T::kLdSteps; ++k) {
-    const int ch = lr + k * T::kLdTpr;
-    const bool valid = row_ok && ch < T::kChunksPerRow;  // (padding columns and chunks past the row: zeros)
-    const unsigned char* src = !valid                                           ? base
-                               : (!kFp8 && p.kpe != nullptr && ch >= kRopeChunk) ? kpe_row + (ch - kRopeChunk) * 16
-                                                                                : row + ch * 8 * kE;
-    kc.v[k] = load_chunk<V>(src, valid);
+    const KeyChunk c = key_chunk<T>(k, lr);
+    const unsigned char* src = !c.in_row ? row : c.rope ? rope + (c.ch - T::kDv / 8) * 8 * kE : row + c.ch * 8 * kE;
+    kc.v[k] = load_chunk<V>(src, row_ok && c.in_row);
   }
   if constexpr (KeyChunks<T, kFp8>::kCsSteps > 0) {
     if (p.rope_cs != nullptr) {
@@ -682,10 +740,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
         load_rope_scores<T>(p, pt, j + T::kStages - 1, sm, tid);
         next_entry = key_page_entry<T>(p, pt, j + T::kStages, tid);  // (past the length: none read)
       }
-    } else {
-      if (refill) load_tile<T>(p, pt, j + T::kStages - 1, sm, tid);
     }
-    copy_commit();
+    KeyRow kr{};  // (cp.async path: the refill's key row, its copies issued in kLoadParts parts)
+    if constexpr (!kRegs) {
+      if (refill) {
+        kr = key_row<T>(p, pt, j + T::kStages - 1, sm, tid);
+        copy_part<T, 0>(kr);
+        load_tile_extras<T>(p, pt, j + T::kStages - 1, sm, tid);
+      }
+    }
+    if (kRegs || T::kLoadParts == 1) copy_commit();
 
     const int slot = j % T::kStages, key0 = (pt.tile_begin + j) * T::kBN;
     bf16_t* kt = sm.kv + slot * T::kBN * T::kLd;
@@ -697,8 +761,15 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     }
     scores<T, kF16>(qf, kt, sm.s, warp, lane);
     sync_threads_lds();
+    if constexpr (!kRegs && T::kLoadParts == 3) {
+      if (refill) copy_part<T, 1>(kr);
+    }
     softmax<T, kF16>(sm.s, sm.rs + slot * T::kM * T::kRsLd, p.scale_log2, key0, limit, st, sm.p, sm.row, tid);
     sync_threads_lds();
+    if constexpr (!kRegs && T::kLoadParts == 3) {
+      if (refill) copy_part<T, 2>(kr);
+      copy_commit();
+    }
     pv<T, kF16>(o, sm.p, sm.row, kt, warp, lane);
     // register path: the refill's stores after P V, the most work between its loads and their use (the
     // slot of tile j - 1: free since this tile's first barrier)
