@@ -50,7 +50,6 @@ import torch.distributed as dist
 
 from . import kernel_choice
 from . import projections
-from . import _ext
 from ._ext import kernels_usable
 from .attention import mla_attention
 from .dcp import _all_gather_pair, merge_attention_states, warn_fallback
@@ -105,7 +104,9 @@ class DCPDecoder:
     "torch" (PyTorch with the task reference's rounding, for the CPU), or
     "auto" (kernels where they run on x's device and the sizes are theirs).
     Inputs are checked as custom_kernel checks them (MLAInputError or
-    TypeError, nothing written); a full local cache raises. A group of one
+    TypeError, nothing written); a full local cache raises; backend="kernels"
+    where the kernels do not run or take the sizes raises RuntimeError, as
+    MLADecoder does (kernel_choice.step_backend decides for both). A group of one
     runs custom_kernel's own step (an MLADecoder with this backend, its
     graph replays included).
 
@@ -160,18 +161,10 @@ class DCPDecoder:
             y, _ = self._single(config, x, kv_local)
             self.last_backend = self._single.last_backend
             return y, data
-        refused = kernel_choice.step_sizes_refused(dims)
-        if self.backend == "auto":
-            which = "kernels" if kernels_usable(x.device) and refused is None else "torch"
-            if which == "torch":
-                why = refused if kernels_usable(x.device) else _ext.backend(x.device)
-                warn_fallback("DCPDecoder", x.device, why)
-        else:
-            which = self.backend
-        if which == "kernels" and not (kernels_usable(x.device) and refused is None):
-            raise MLAInputError(f"backend='kernels' needs a GPU the kernels run on and kv_lora_rank "
-                                f"{kernel_choice.STEP_KV_LORA}, qk_rope_head_dim {kernel_choice.STEP_ROPE}; "
-                                f"got {x.device}, {dims.kv_lora}, {dims.rope}")
+        usable = self.backend != "torch" and kernels_usable(x.device)
+        which, why = kernel_choice.step_backend(self.backend, dims, usable, x.device)
+        if why is not None:
+            warn_fallback("DCPDecoder", x.device, why)
         with torch.no_grad():
             y = self._step(config, dims, x, data, pos, world, rank, which)
         kv_local.seq_len = pos + 1

@@ -189,15 +189,10 @@ class MLADecoder:
         return plan
 
     def _choose(self, dims, device):
-        if self.backend == "torch":
-            return "torch"
-        refused = kernel_choice.step_sizes_refused(dims)
-        usable = _ext.kernels_usable(device)
-        if usable and refused is None:
-            return "kernels"
-        why = refused if usable else _ext.backend(device)
-        if self.backend == "kernels":
-            raise RuntimeError(f"backend='kernels' requested but not usable: {why}")
+        usable = self.backend != "torch" and _ext.kernels_usable(device)
+        which, why = kernel_choice.step_backend(self.backend, dims, usable, device)
+        if why is None:
+            return which
         if device.type == "cuda" and why not in self._warned:
             self._warned.add(why)
             warnings.warn(f"mla_decode: using the PyTorch fallback on {device}: {why}", RuntimeWarning, stacklevel=4)

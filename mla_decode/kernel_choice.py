@@ -32,17 +32,23 @@ import torch
 from . import _ext
 
 __all__ = ["Settings", "settings", "reload_settings", "hopper", "sm_count", "attention_kernel", "gemm_path",
-           "query_path", "blas_lt_path", "step_want", "STEP_DOWN_OWN", "STEP_QUERY_FUSED", "STEP_WO_LT",
-           "STEP_GRAPH", "STEP_CAPTURED", "STEP_PLAN_IN_QUERY", "describe_step_paths", "STEP_KV_LORA", "STEP_ROPE",
-           "step_sizes_refused"]
+           "query_path", "blas_lt_path", "step_want", "step_bit", "describe_step_paths", "STEP_KV_LORA", "STEP_ROPE",
+           "step_sizes_refused", "step_backend"]
 
-# the decode step's paths (mla_decode._C.decode_step's `want` and its report)
-STEP_DOWN_OWN, STEP_QUERY_FUSED, STEP_WO_LT = 1, 2, 4
-STEP_GRAPH = 8  # reported only: the call replayed the step's captured graph
-STEP_CAPTURED = 16  # reported only: the call ran eagerly, then captured the step for the next call to replay
-STEP_PLAN_IN_QUERY = 32  # reported only: the fused query wrote the attention's lengths and plan (no planner kernel)
 # the latent and rope widths the decode step's kernels are built for (the extension's decode_step checks them too)
 STEP_KV_LORA, STEP_ROPE = 512, 64
+
+
+def step_bit(name: str) -> int:
+    """The decode step's path bit ``name``, as the extension defines it
+    (``mla_decode._C.step_bits()``, csrc/api/ops.h): what ``decode_step``'s
+    ``want`` asks for (down_own, query_fused, wo_lt) and what its report says
+    ran (those, and graph: the call replayed the step's captured graph;
+    captured: it ran eagerly, then captured the step for the next call to
+    replay; plan_in_query: the fused query wrote the attention's lengths and
+    plan, no planner kernel). Needs the built extension (only kernel steps
+    have paths)."""
+    return _ext.module().step_bits()[name]
 
 
 def step_sizes_refused(dims) -> str | None:
@@ -50,6 +56,24 @@ def step_sizes_refused(dims) -> str | None:
     if dims.kv_lora == STEP_KV_LORA and dims.rope == STEP_ROPE:
         return None
     return f"kv_lora_rank={dims.kv_lora}, rope={dims.rope} (the kernels take {STEP_KV_LORA} and {STEP_ROPE})"
+
+
+def step_backend(backend: str, dims, usable: bool, device) -> tuple[str, str | None]:
+    """The backend a decode step (MLADecoder, DCPDecoder) takes: ``("kernels",
+    None)`` where the kernels are usable on ``device`` (``usable``: the
+    caller's ``_ext.kernels_usable(device)``) and take these sizes, else
+    ``("torch", why)`` for ``backend="auto"`` (the caller warns) and
+    ``RuntimeError`` naming why for ``backend="kernels"``;
+    ``backend="torch"`` gives ``("torch", None)``."""
+    if backend == "torch":
+        return "torch", None
+    refused = step_sizes_refused(dims)
+    if usable and refused is None:
+        return "kernels", None
+    why = refused if usable else _ext.backend(device)
+    if backend == "kernels":
+        raise RuntimeError(f"backend='kernels' requested but not usable: {why}")
+    return "torch", why
 
 
 @dataclass(frozen=True)
@@ -200,7 +224,7 @@ def blas_lt_path(x) -> bool:
 
 
 def step_want(device, dims) -> int:
-    """The decode step's wished paths (STEP_* bits) for these sizes on device;
+    """The decode step's wished paths (``step_bit`` bits) for these sizes on device;
     the step takes each where the operands also allow it (alignment) and
     reports what ran (MLADecoder.last_paths)."""
     key = (_settings, device, dims)
@@ -210,11 +234,11 @@ def step_want(device, dims) -> int:
         if _settings.gemm != "vendor" and hopper(device):
             if 1 <= dims.bs <= 256 and min(dims.q_lora, dims.kv_lora + dims.rope) >= 64 \
                     and dims.q_lora % 8 == 0 and (dims.kv_lora + dims.rope) % 8 == 0:
-                want |= STEP_DOWN_OWN
+                want |= step_bit("down_own")
             if _query_sizes_unusable(device, dims.bs, dims.heads, dims.nope, dims.rope, dims.kv_lora) is None:
-                want |= STEP_QUERY_FUSED
+                want |= step_bit("query_fused")
         if torch.version.cuda is not None and _settings.blaslt:
-            want |= STEP_WO_LT
+            want |= step_bit("wo_lt")
         _want[key] = want
     return want
 
@@ -225,9 +249,10 @@ def describe_step_paths(bits: int) -> dict:
     ``plan``: what made the attention's lengths and plan (the fused query
     itself where the batch is not split and the step runs eagerly or in the
     caller's capture, else the planner kernel)."""
-    return dict(down="sm90 GEMM" if bits & STEP_DOWN_OWN else "vendor BLAS",
-                query="fused sm90 query" if bits & STEP_QUERY_FUSED else "vendor BLAS + rope_append",
-                plan="fused query" if bits & STEP_PLAN_IN_QUERY else "planner kernel",
-                wo="cuBLASLt" if bits & STEP_WO_LT else "vendor BLAS (PyTorch default)",
-                launch="graph replay" if bits & STEP_GRAPH else "eager",
-                captured=bool(bits & STEP_CAPTURED))
+    b = _ext.module().step_bits()
+    return dict(down="sm90 GEMM" if bits & b["down_own"] else "vendor BLAS",
+                query="fused sm90 query" if bits & b["query_fused"] else "vendor BLAS + rope_append",
+                plan="fused query" if bits & b["plan_in_query"] else "planner kernel",
+                wo="cuBLASLt" if bits & b["wo_lt"] else "vendor BLAS (PyTorch default)",
+                launch="graph replay" if bits & b["graph"] else "eager",
+                captured=bool(bits & b["captured"]))

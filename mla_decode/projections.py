@@ -33,6 +33,7 @@ rotate-half in bf16, each product and the sum rounded.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
@@ -40,7 +41,32 @@ from . import _ext
 from .kernel_choice import blas_lt_path, gemm_path, query_path
 from .reference import rope_rotate
 
-__all__ = ["down", "query", "query_path", "rope_append", "output", "stage_weight_bytes", "gemm", "gemm_path", "blas_lt_path"]
+__all__ = ["down", "query", "query_path", "rope_append", "output", "stage_weight_bytes", "gemm", "gemm_path", "blas_lt_path",
+           "GemmConfig", "gemm_config"]
+
+
+class GemmConfig(NamedTuple):
+    """The Hopper GEMM launcher's choice for a product (``gemm_config``;
+    csrc/kernels/projections/gemm.h): tile columns and rows, split-K
+    ways (the cluster size), pipeline stages, blocks, shared memory bytes per
+    block, the load group (k blocks requested back to back) and the fp32
+    split-K workspace bytes (0 without splits)."""
+    bn: int
+    bm: int
+    splits: int
+    stages: int
+    blocks: int
+    smem: int
+    group: int
+    ws_bytes: int
+
+
+def gemm_config(x, w, y, w1=None, y1=None) -> GemmConfig:
+    """What ``gemm`` on the Hopper GEMM would launch for these operands, by
+    name (the op ``torch.ops.mla_decode.gemm_nt_config`` returns the same
+    numbers as a list, in this order); ValueError naming why where the Hopper
+    GEMM does not take them."""
+    return GemmConfig(*torch.ops.mla_decode.gemm_nt_config(x, w, y, w1, y1))
 
 
 @torch.no_grad()

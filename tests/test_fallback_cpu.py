@@ -214,3 +214,23 @@ def test_the_step_kernels_sizes_are_named_in_one_place():
     why = kernel_choice.step_sizes_refused(SimpleNamespace(kv_lora=256, rope=64))
     assert why is not None and "kv_lora_rank=256" in why and "512 and 64" in why
     assert kernel_choice.step_sizes_refused(SimpleNamespace(kv_lora=512, rope=32)) is not None
+
+
+def test_the_step_backend_is_decided_in_one_place():
+    # MLADecoder and DCPDecoder both take kernel_choice.step_backend's answer: auto falls back with the reason,
+    # "kernels" raises RuntimeError naming it (the kernels not usable, or sizes they do not take), "torch" is kept
+    from types import SimpleNamespace
+
+    from mla_decode import kernel_choice
+    cpu, ok, odd = torch.device("cpu"), SimpleNamespace(kv_lora=512, rope=64), SimpleNamespace(kv_lora=256, rope=64)
+    assert kernel_choice.step_backend("torch", odd, False, cpu) == ("torch", None)
+    assert kernel_choice.step_backend("auto", ok, True, cpu) == ("kernels", None)
+    assert kernel_choice.step_backend("kernels", ok, True, cpu) == ("kernels", None)
+    which, why = kernel_choice.step_backend("auto", odd, True, cpu)
+    assert which == "torch" and "kv_lora_rank=256" in why
+    which, why = kernel_choice.step_backend("auto", ok, False, cpu)
+    assert which == "torch" and why == mla_decode.backend(cpu)
+    with pytest.raises(RuntimeError, match="backend='kernels' requested but not usable: kv_lora_rank=256"):
+        kernel_choice.step_backend("kernels", odd, True, cpu)
+    with pytest.raises(RuntimeError, match="backend='kernels' requested but not usable: torch-fallback"):
+        kernel_choice.step_backend("kernels", ok, False, cpu)

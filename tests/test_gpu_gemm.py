@@ -59,9 +59,10 @@ def test_gemm_matches_float64(m, n, k):
     torch.ops.mla_decode.gemm_nt(x, w, y)
     assert_task_rule(y, ref(x, w), f"y {m}x{n}x{k}")
     check_outside_untouched(buf, y, "y")
-    bn, bm, splits, stages, blocks, smem, group, ws = torch.ops.mla_decode.gemm_nt_config(x, w, y)
-    assert bm >= m and bn in (128, 256) and 1 <= splits <= 8 and stages >= 2 and blocks >= 1 and 1 <= group <= stages
-    assert (ws > 0) == (splits > 1), f"split-K workspace {ws} bytes with {splits} splits"
+    c = mla_decode.projections.gemm_config(x, w, y)
+    assert c.bm >= m and c.bn in (128, 256) and 1 <= c.splits <= 8 and c.stages >= 2 and c.blocks >= 1
+    assert 1 <= c.group <= c.stages
+    assert (c.ws_bytes > 0) == (c.splits > 1), f"split-K workspace {c.ws_bytes} bytes with {c.splits} splits"
 
 
 def test_two_weights_in_one_launch():

@@ -645,7 +645,7 @@ def test_lean_replay_matches_only_a_captured_step():
         ref = kv.clone()
         r = fast((config, x, kv))
         assert r is not None and len(r) == 3 and r[1] is kv.data and kv.seq_len == seq_len + 1
-        assert r[2] & mla_decode.kernel_choice.STEP_GRAPH
+        assert r[2] & mla_decode.kernel_choice.step_bit("graph")
         y_ref, data_ref = ref_kernel((config, x, ref), batch_chunk=8)
         assert_task_rule(r[0], y_ref, f"y of the lean replay at seq_len {seq_len}")
         assert_task_rule(r[1], data_ref, f"cache of the lean replay at seq_len {seq_len}")
@@ -671,7 +671,7 @@ def test_lean_replay_matches_only_a_captured_step():
     ref = kv.clone()
     r = fast((config, other_x, kv))
     assert r is not None and r[1] is kv.data and kv.seq_len == seq_len + 1
-    assert not r[2] & mla_decode.kernel_choice.STEP_GRAPH
+    assert not r[2] & mla_decode.kernel_choice.step_bit("graph")
     y_ref, data_ref = ref_kernel((config, other_x, ref), batch_chunk=8)
     assert_task_rule(r[0], y_ref, "y of the lean path's checked step")
     assert_task_rule(r[1], data_ref, "cache of the lean path's checked step")

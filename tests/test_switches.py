@@ -53,3 +53,19 @@ def test_off_switches_take_only_zero_and_are_read_once():
             "print(json.dumps(dict(a=a, same=a == b)))")
     r = switches_in({"MLA_DECODE_PDL": "1", "MLA_DECODE_TMA": "off", "MLA_DECODE_PLAN_P0": "0"}, code)
     assert r["same"] and r["a"] == DEFAULTS
+
+
+def test_the_step_path_bits_come_from_the_extension():
+    # one definition (csrc/api/ops.h): decode_step's `want`, its report and MLADecoder.last_paths read the same bits
+    from mla_decode import kernel_choice
+    bits = mla_decode._ext.module().step_bits()
+    assert set(bits) == {"down_own", "query_fused", "wo_lt", "graph", "captured", "plan_in_query"}
+    values = sorted(bits.values())
+    assert len(set(values)) == 6 and all(v > 0 and v & (v - 1) == 0 for v in values)
+    assert all(kernel_choice.step_bit(n) == v for n, v in bits.items())
+    paths = kernel_choice.describe_step_paths(bits["down_own"] | bits["graph"])
+    assert paths == dict(down="sm90 GEMM", query="vendor BLAS + rope_append", plan="planner kernel",
+                         wo="vendor BLAS (PyTorch default)", launch="graph replay", captured=False)
+    everything = kernel_choice.describe_step_paths(sum(values))
+    assert everything == dict(down="sm90 GEMM", query="fused sm90 query", plan="fused query", wo="cuBLASLt",
+                              launch="graph replay", captured=True)

@@ -412,10 +412,10 @@ void enqueue_attention(const AttnCall& c) {
   // counter of the call's own (the plan may serve calls on other streams at once)
   // (a captured call takes a pair that stays zeroed from replay to replay: no zeroing launch in the graph)
   at::Tensor counter;
-  const bool cap = c.capturing >= 0 ? c.capturing == 1 : capturing(stream);
   if (plan_in.has_value() && !c.plan_fresh) {
     ap.live_lens = true;
     if (info.kind == AttnKernel::kHopper) {
+      const bool cap = c.capturing >= 0 ? c.capturing == 1 : capturing(stream);  // (asked only here)
       if (!cap) prepare_counter_pool(device);
       ap.counter = cap ? captured_counter_pair(device) : nullptr;
       if (ap.counter == nullptr) {

@@ -44,6 +44,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the C++ side's environment switches as read once by this process (csrc/platform/switches.h)");
   m.def(
+      "step_bits",
+      [] {
+        py::dict d;
+        d["down_own"] = static_cast<int64_t>(mla::api::kStepDownOwn);
+        d["query_fused"] = static_cast<int64_t>(mla::api::kStepQueryFused);
+        d["wo_lt"] = static_cast<int64_t>(mla::api::kStepWoLt);
+        d["graph"] = static_cast<int64_t>(mla::api::kStepGraph);
+        d["captured"] = static_cast<int64_t>(mla::api::kStepCaptured);
+        d["plan_in_query"] = static_cast<int64_t>(mla::api::kStepPlanInQuery);
+        return d;
+      },
+      "the decode step's path bits by name (decode_step's `want` and the paths it reports: csrc/api/ops.h)");
+  m.def(
       "attention_info",
       [](int64_t device, int64_t dv, int64_t rope) {
         const mla::api::AttentionFacts f = mla::api::attention_info(device, dv, rope);
