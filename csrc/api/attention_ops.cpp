@@ -175,7 +175,6 @@ struct AttnCall {
   bool causal, split, plan_fresh, f16, per_head;
   int64_t bs, s_q, h_q, dv, rope, rope_in_key;
   KvLayout kl;
-  int capturing;     // whether the current stream captures: 0 / 1, or -1 (not known: asked here)
   bool fp8 = false;       // kv holds e4m3 values standing for value * kv_scale (the portable kernel's fp8 instance)
   double kv_scale = 1.0;  // fp8: the cache's per-tensor scale
 };
@@ -297,8 +296,7 @@ void attention_out_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
                      .kpe = kpe, .kpe_heads = kpe_heads, .plan_in = plan_in, .out = out, .lse = lse,
                      .softmax_scale = softmax_scale, .causal = causal, .split = split, .plan_fresh = plan_fresh,
                      .f16 = f16, .per_head = per_head, .bs = bs, .s_q = s_q, .h_q = h_q, .dv = dv, .rope = rope,
-                     .rope_in_key = rope_in_key, .kl = kl, .capturing = -1, .fp8 = fp8,
-                     .kv_scale = kv_scale});
+                     .rope_in_key = rope_in_key, .kl = kl, .fp8 = fp8, .kv_scale = kv_scale});
 }
 
 // The split plan (made here or passed in), the partials' workspaces, the launches: rope scores, attention, combine.
@@ -415,7 +413,7 @@ void enqueue_attention(const AttnCall& c) {
   if (plan_in.has_value() && !c.plan_fresh) {
     ap.live_lens = true;
     if (info.kind == AttnKernel::kHopper) {
-      const bool cap = c.capturing >= 0 ? c.capturing == 1 : capturing(stream);  // (asked only here)
+      const bool cap = capturing(stream);  // (asked only here: the step's plans are fresh)
       if (!cap) prepare_counter_pool(device);
       ap.counter = cap ? captured_counter_pair(device) : nullptr;
       if (ap.counter == nullptr) {
@@ -487,15 +485,14 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 
 void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens, const at::Tensor& rope_cs,
                     double softmax_scale, at::Tensor& out, at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan,
-                    bool split, bool capturing) {
+                    bool split) {
   const c10::optional<at::Tensor> none, cs = rope_cs, pl = plan;
   const int64_t bs = q.size(0), h_q = q.size(2), rope = q.size(3) - head_dim_v;
   const KvLayout kl{kv.stride(1), kv.stride(0), kv.size(1), kv.size(1), 0};
   enqueue_attention({.q = q, .kv = kv, .seqlens = seqlens, .block_table = none, .rope_cs = cs, .kpe = none,
                      .kpe_heads = none, .plan_in = pl, .out = out, .lse = lse, .softmax_scale = softmax_scale,
                      .causal = false, .split = split, .plan_fresh = true, .f16 = false, .per_head = false, .bs = bs,
-                     .s_q = 1, .h_q = h_q, .dv = head_dim_v, .rope = rope, .rope_in_key = rope, .kl = kl,
-                     .capturing = capturing ? 1 : 0});
+                     .s_q = 1, .h_q = h_q, .dv = head_dim_v, .rope = rope, .rope_in_key = rope, .kl = kl});
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,

@@ -26,13 +26,12 @@ void attention_out(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 // from it and takes its work from the plan's counter), keys rotated on the
 // fly by rope_cs, no block table, s_q 1. The operands are the step's, which
 // it has checked (their devices, dtypes, shapes and 16-byte rows) or made
-// itself, so no check is repeated here. `capturing`: whether the current
-// stream captures a graph (asked once by the step). A plan passed to
-// attention_out itself may be of other lengths and shared: the lengths are
-// read from seqlens and the work counter is the call's own.
+// itself, so no check is repeated here. A plan passed to attention_out
+// itself may be of other lengths and shared: the lengths are read from
+// seqlens and the work counter is the call's own.
 void attention_step(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens, const at::Tensor& rope_cs,
                     double softmax_scale, at::Tensor& out, at::Tensor& lse, int64_t head_dim_v, const at::Tensor& plan,
-                    bool split, bool capturing);
+                    bool split);
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& seqlens,
                                              const c10::optional<at::Tensor>& block_table,

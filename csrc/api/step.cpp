@@ -415,7 +415,7 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
   at::Tensor lse = carve(ws, sh.s_lse, {bs, H, 1}, {H, 1, 1}, at::kFloat);
   const at::Tensor plan = carve(ws, sh.s_plan, {sh.plan_elems}, {1}, at::kInt);
   attention_step(q_att, cache, seqlens, rope_cs, 1.0 / std::sqrt(static_cast<double>(nope + rope)), o_lat, lse, r,
-                 plan, sh.split, capturing);
+                 plan, sh.split);
   step_mark("attention");
   // ---- 6. W_UV per head ([H, bs, r] x [H, r, v] into obuf [bs, H, v] seen head-major), then wo
   const bool lt = want & kStepWoLt;
