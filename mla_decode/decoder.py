@@ -49,7 +49,7 @@ from . import kernel_choice
 from . import projections
 from .attention import rope_table
 from .reference import rope_rotate
-from .validate import CONFIG_DIMS, WEIGHTS, Dims, MLAInputError, cache_parts, config_dims, validate
+from .validate import CACHE_FIELDS, CONFIG_DIMS, WEIGHTS, Dims, MLAInputError, cache_parts, config_dims, validate
 
 __all__ = ["MLADecoder", "MLAInputError", "custom_kernel", "Dims", "release_cached"]
 
@@ -235,6 +235,8 @@ def _attention_torch(q_abs, q_pe, rows, cos, sin, dims: Dims, scale):
 # captured step the call's operands match, or after the checked step where
 # these sizes are registered on that GPU; else None with nothing done.
 _fast_step = getattr(_ext.module(), "fast_step", None) if _ext.kernels_built() else None
+if _fast_step is not None:  # the attribute names it reads, from their one definition (validate.py)
+    _ext.module().set_step_names(list(CACHE_FIELDS + WEIGHTS + CONFIG_DIMS))
 _DEFAULT = MLADecoder()
 
 

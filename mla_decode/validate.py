@@ -15,6 +15,8 @@ import torch
 
 __all__ = ["MLAInputError", "Dims", "validate", "WEIGHTS", "CONFIG_DIMS", "config_dims"]
 
+# the task's KVCache: its rows and its length (cache_parts; the lean path reads them by these names)
+CACHE_FIELDS = ("data", "seq_len")
 WEIGHTS = ("Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight")
 # the config's sizes in the order the kernel step takes them
 CONFIG_DIMS = ("dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

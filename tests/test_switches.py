@@ -55,6 +55,16 @@ def test_off_switches_take_only_zero_and_are_read_once():
     assert r["same"] and r["a"] == DEFAULTS
 
 
+def test_the_lean_path_reads_the_names_validate_defines():
+    # one definition (mla_decode.validate): fast_step reads the cache's and the config's attributes by these names
+    from mla_decode import decoder, validate  # noqa: F401 (importing the decoder gives the extension the names)
+    names = mla_decode._ext.module().step_names()
+    assert tuple(names) == validate.CACHE_FIELDS + validate.WEIGHTS + validate.CONFIG_DIMS
+    with pytest.raises(ValueError, match="set_step_names"):
+        mla_decode._ext.module().set_step_names(["data"])
+    assert tuple(mla_decode._ext.module().step_names()) == tuple(names)
+
+
 def test_the_step_path_bits_come_from_the_extension():
     # one definition (csrc/api/ops.h): decode_step's `want`, its report and MLADecoder.last_paths read the same bits
     from mla_decode import kernel_choice

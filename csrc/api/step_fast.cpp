@@ -30,19 +30,38 @@
 #include <mutex>
 #include <vector>
 
+#include "checks.h"
 #include "ops.h"
 #include "step_graph.h"
 
 namespace mla::api {
 namespace {
 
-constexpr int kWeights = 5, kDims = 7;
-// the names read: KVCache's, then the config's weights and sizes in the key's order
-const char* const kNames[2 + kWeights + kDims] = {
-    "data", "seq_len",
-    "Q_proj_down_weight", "KV_proj_down_weight", "Q_proj_up_weight", "KV_proj_up_weight", "wo_weight",
-    "dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"};
-PyObject* names[2 + kWeights + kDims];
+constexpr int kWeights = 5, kDims = 7, kNames = 2 + kWeights + kDims;
+// The names read: the cache's two (data, length), then the config's weights
+// and sizes in the key's order. Python names them (mla_decode.validate:
+// CACHE_FIELDS + WEIGHTS + CONFIG_DIMS, set_step_names at import); until
+// then fast_step does nothing.
+PyObject* names[kNames] = {};
+
+void set_step_names(const std::vector<std::string>& n) {
+  if (static_cast<int>(n.size()) != kNames)
+    fail_value("set_step_names: the cache's 2 attribute names, the 5 weights' and the 7 sizes', got " +
+               num(static_cast<int64_t>(n.size())) + " names");
+  for (int i = 0; i < kNames; ++i) {
+    PyObject* s = PyUnicode_InternFromString(n[i].c_str());
+    if (s == nullptr) throw pybind11::error_already_set();
+    PyObject* old = names[i];
+    names[i] = s;
+    Py_XDECREF(old);
+  }
+}
+
+std::vector<std::string> step_names() {
+  std::vector<std::string> r;
+  for (PyObject* s : names) r.push_back(s != nullptr ? PyUnicode_AsUTF8(s) : "");
+  return r;
+}
 
 // A new reference to obj.name, or null (the error cleared) where it is missing.
 PyObject* attr(PyObject* obj, int i) {
@@ -105,7 +124,7 @@ struct Refs {  // new references held for the call
 // fast_step((config, x, kv_cache)) -> (y, kv_cache.data, paths) after a
 // replay or the checked step (kv_cache.seq_len advanced), or None.
 PyObject* fast_step(PyObject* /*module*/, PyObject* data) {
-  if (!PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 3) Py_RETURN_NONE;
+  if (names[0] == nullptr || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 3) Py_RETURN_NONE;
   PyObject* config = PyTuple_GET_ITEM(data, 0);
   PyObject* xo = PyTuple_GET_ITEM(data, 1);
   PyObject* kv = PyTuple_GET_ITEM(data, 2);
@@ -190,10 +209,6 @@ PyMethodDef fast_step_def = {"fast_step", fast_step, METH_O,
 }  // namespace
 
 void add_fast_step(pybind11::module_& m) {
-  for (int i = 0; i < 2 + kWeights + kDims; ++i) {
-    names[i] = PyUnicode_InternFromString(kNames[i]);
-    if (names[i] == nullptr) throw pybind11::error_already_set();
-  }
   PyObject* f = PyCFunction_New(&fast_step_def, nullptr);
   if (f == nullptr) throw pybind11::error_already_set();
   m.attr("fast_step") = pybind11::reinterpret_steal<pybind11::object>(f);
@@ -202,6 +217,9 @@ void add_fast_step(pybind11::module_& m) {
         "the decoder's choices for a GPU, the layer's sizes and a batch (the RoPE table, the wished paths): "
         "fast_step then runs the checked step itself for calls that match no captured step");
   m.def("clear_step_plans", &clear_step_plans, "forget every register_step_plan");
+  m.def("set_step_names", &set_step_names, pybind11::arg("names"),
+        "the attribute names fast_step reads: the cache's data and length, the config's 5 weights and 7 sizes");
+  m.def("step_names", &step_names, "the names set_step_names gave (empty strings before)");
 }
 
 }  // namespace mla::api
