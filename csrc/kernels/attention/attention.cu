@@ -506,22 +506,15 @@ struct RowState {
   float m, l;
 };
 
-// Lazy rescale (gfx942; -DMLA_PORTABLE_LAZY_RESCALE builds it elsewhere, to
-// test it): a row's reference max moves only when a tile's max exceeds it by
-// more than kLazyMax (log2 units), as in the Hopper kernel, so after a row's
-// first tile its rescale factor is almost always exactly 1, and P V skips the
-// rescale of O where a wave's factors all are. P = exp2(s - ref) stays <=
-// 2^kLazyMax; O, the sums and the LSE are exact for any reference, and the row
-// sums add the fp32 P (the sums of the bf16-rounded P, with the row's largest
-// P rounded too, failed LSE checks). On gfx942 O lives in AGPRs: its rescale
-// is a read, a multiply and a write back per element (docs/portable.md). On
-// NVIDIA a skipped rescale measured slower (docs/not_kept.md): the exact max
-// there.
-#if MLA_AMD || defined(MLA_PORTABLE_LAZY_RESCALE)
-constexpr bool kLazyRescale = true;
-#else
-constexpr bool kLazyRescale = false;
-#endif
+// Lazy rescale: a row's reference max moves only when a tile's max exceeds
+// it by more than kPortableLazyMax (log2 units), as in the Hopper kernel, so
+// after a row's first tile its rescale factor is almost always exactly 1, and
+// P V skips the rescale of O where a warp's factors all are (on gfx942, where
+// O lives in AGPRs, a read, a multiply and a write back per element; on
+// NVIDIA 128 multiplies per thread and tile: docs/portable.md). P =
+// exp2(s - ref) stays <= 2^kPortableLazyMax; O, the sums and the LSE are
+// exact for any reference, and the row sums add the fp32 P (the sums of the
+// bf16-rounded P, with the row's largest P rounded too, failed LSE checks).
 constexpr float kPortableLazyMax = 8.f;
 
 // Stage 2: online softmax of this thread's kSmCols keys of row r: the scores
@@ -560,8 +553,8 @@ MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2
   }
 #pragma unroll
   for (int off = 1; off < T::kSmLanes; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
-  // (lazy: -inf - -inf is NaN, so a row that has seen only masked keys keeps -inf)
-  const float m_new = kLazyRescale ? (mx - st.m > kPortableLazyMax ? mx : st.m) : fmaxf(st.m, mx);
+  // (-inf - -inf is NaN, so a row that has seen only masked keys keeps -inf)
+  const float m_new = mx - st.m > kPortableLazyMax ? mx : st.m;
   const float m_use = m_new == neg_inf() ? 0.f : m_new;
   const float alpha = fast_exp2(st.m - m_use);
   uint32_t w[T::kSmCols / 2];
@@ -570,10 +563,7 @@ MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2
   for (int c = 0; c < T::kSmCols; c += 2) {
     const float p0 = fast_exp2(v[c] - m_use), p1 = fast_exp2(v[c + 1] - m_use);
     w[c / 2] = E::pack2(p0, p1);
-    // exact max: the sum of what P V multiplies (the row's largest P is 1 exactly). Lazy: P reaches
-    // 2^kLazyMax and its largest term is rounded too, which the sum of the rounded P would carry
-    // into the LSE (up to 2^-9 of it): the fp32 P's sum, as the Hopper kernel takes it.
-    sum += kLazyRescale ? p0 + p1 : E::lo(w[c / 2]) + E::hi(w[c / 2]);
+    sum += p0 + p1;  // (the fp32 P: see kPortableLazyMax)
   }
   uint32_t* dst = reinterpret_cast<uint32_t*>(p_s + r * T::kPLd + c0);
   if constexpr (T::kSmCols % 8 == 0) {
@@ -605,7 +595,7 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
       a[mt][i] = row_s[pm_w * T::kPM + mt * 16 + mma::c_row(lane, i)];
       unit = unit && a[mt][i] == 1.f;
     }
-  if (!kLazyRescale || !warp_all(unit)) {  // (lazy: uniform, the whole wave skips or rescales)
+  if (!warp_all(unit)) {  // (uniform: the whole warp skips or rescales)
 #pragma unroll
     for (int mt = 0; mt < T::kPMT; ++mt)
 #pragma unroll
