@@ -189,8 +189,7 @@ class MLADecoder:
         return plan
 
     def _choose(self, dims, device):
-        usable = self.backend != "torch" and _ext.kernels_usable(device)
-        which, why = kernel_choice.step_backend(self.backend, dims, usable, device)
+        which, why = kernel_choice.step_backend(self.backend, dims, device=device)
         if why is None:
             return which
         if device.type == "cuda" and why not in self._warned:

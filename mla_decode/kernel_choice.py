@@ -23,6 +23,7 @@ measurements behind the defaults.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -48,7 +49,12 @@ def step_bit(name: str) -> int:
     replay; plan_in_query: the fused query wrote the attention's lengths and
     plan, no planner kernel). Needs the built extension (only kernel steps
     have paths)."""
-    return _ext.module().step_bits()[name]
+    return _step_bits()[name]
+
+
+@functools.cache
+def _step_bits() -> dict:
+    return dict(_ext.module().step_bits())  # (fixed for the process: read once)
 
 
 def step_sizes_refused(dims) -> str | None:
@@ -58,15 +64,17 @@ def step_sizes_refused(dims) -> str | None:
     return f"kv_lora_rank={dims.kv_lora}, rope={dims.rope} (the kernels take {STEP_KV_LORA} and {STEP_ROPE})"
 
 
-def step_backend(backend: str, dims, usable: bool, device) -> tuple[str, str | None]:
+def step_backend(backend: str, dims, usable: bool | None = None, device=None) -> tuple[str, str | None]:
     """The backend a decode step (MLADecoder, DCPDecoder) takes: ``("kernels",
-    None)`` where the kernels are usable on ``device`` (``usable``: the
-    caller's ``_ext.kernels_usable(device)``) and take these sizes, else
+    None)`` where the kernels are usable on ``device`` (``usable``: given, or
+    ``_ext.kernels_usable(device)`` asked here) and take these sizes, else
     ``("torch", why)`` for ``backend="auto"`` (the caller warns) and
     ``RuntimeError`` naming why for ``backend="kernels"``;
     ``backend="torch"`` gives ``("torch", None)``."""
     if backend == "torch":
         return "torch", None
+    if usable is None:
+        usable = _ext.kernels_usable(device)
     refused = step_sizes_refused(dims)
     if usable and refused is None:
         return "kernels", None
@@ -249,7 +257,7 @@ def describe_step_paths(bits: int) -> dict:
     ``plan``: what made the attention's lengths and plan (the fused query
     itself where the batch is not split and the step runs eagerly or in the
     caller's capture, else the planner kernel)."""
-    b = _ext.module().step_bits()
+    b = _step_bits()
     return dict(down="sm90 GEMM" if bits & b["down_own"] else "vendor BLAS",
                 query="fused sm90 query" if bits & b["query_fused"] else "vendor BLAS + rope_append",
                 plan="fused query" if bits & b["plan_in_query"] else "planner kernel",

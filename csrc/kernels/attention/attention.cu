@@ -215,9 +215,8 @@ MLA_DEVICE KeyChunk key_chunk(int k, int lr) {
 // instead of all together. (Issued at once, the copies of all 8 warps of the
 // 64-row block queued together, and the first instruction after them that
 // reused a register they read waited for the last to leave the queue:
-// docs/portable.md.)
-// One thread's key row of tile j: its source (the latent row and the rope
-// columns' base) and its ring-slot row.
+// docs/portable.md.) KeyRow: one thread's key row of tile j, its source (the
+// latent row and the rope columns' base) and its ring-slot row.
 struct KeyRow {
   const bf16_t* row;
   const bf16_t* rope;
