@@ -82,7 +82,11 @@ struct AttnTile {
   static constexpr int kSmLanes = kThreads / kM, kSmCols = kBN / kSmLanes;
 
   static constexpr int kLd = kDp + 8;   // key rows (bf16): +16 B, ldmatrix rows on distinct banks
-  static constexpr int kSLd = kBN + 4;  // partial-score rows (fp32): 16-byte aligned for vector reads
+  // partial-score rows (fp32), 16-byte aligned for vector reads. With mma.sync's paired C columns and 8 keys
+  // per softmax thread (kSmSplit: see sm_row), 40 floats: the scores' 8-byte stores (a half-warp: 4 rows x 32 B)
+  // then fall on 4 distinct 8-bank groups, and the softmax's reads on distinct banks too; else 36 floats
+  static constexpr bool kSmSplit = mma::kCPairedCols && kSmLanes == 4 && kSmCols == 8;
+  static constexpr int kSLd = kSmSplit ? kBN + 8 : kBN + 4;
   static constexpr int kPLd = kBN + 8;  // P rows (bf16)
   static constexpr int kRsLd = kBN + 4;  // per-head rope-score rows (fp32, 16-byte rows for the copies)
 
@@ -516,6 +520,26 @@ struct RowState {
 // bf16-rounded P, with the row's largest P rounded too, failed LSE checks).
 constexpr float kPortableLazyMax = 8.f;
 
+// The softmax's threads: kSmLanes adjacent lanes per row, kSmCols keys each. With AttnTile::kSmSplit the
+// keys of part p are 4p..4p+3 and 16+4p..16+4p+3, and the two rows of a quarter-warp lie 2 apart, so that
+// its 16-byte reads of a partial-score row (64 bytes of each of two rows 80 floats apart) hit distinct
+// banks; else kSmCols adjacent keys and rows in lane order.
+template <typename T>
+MLA_DEVICE int sm_row(int tid) {
+  const int g = tid / T::kSmLanes;
+  if constexpr (T::kSmSplit)
+    return (g & ~3) | ((g & 1) << 1) | ((g >> 1) & 1);
+  else
+    return g;
+}
+template <typename T>
+MLA_DEVICE constexpr int sm_key(int part, int c) {
+  if constexpr (T::kSmSplit)
+    return (c < 4 ? 0 : 16) + 4 * part + (c & 3);
+  else
+    return part * T::kSmCols + c;
+}
+
 // Stage 2: online softmax of this thread's kSmCols keys of row r: the scores
 // (partials summed, plus the per-head rope scores), P into p_s, the row's
 // rescale factor into row_s. Keys at or past `limit` are masked.
@@ -523,17 +547,17 @@ template <typename T, bool kF16>
 MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2, int key0, int limit, RowState& st,
                         bf16_t* p_s, float* row_s, int tid) {
   using E = Half16<kF16>;
-  const int r = tid / T::kSmLanes, part = tid % T::kSmLanes, c0 = part * T::kSmCols;
+  const int r = sm_row<T>(tid), part = tid % T::kSmLanes;
   float v[T::kSmCols];
 #pragma unroll
-  for (int c = 0; c < T::kSmCols; ++c) v[c] = T::kHeadRope ? rs_tile[r * T::kRsLd + c0 + c] : 0.f;
+  for (int c = 0; c < T::kSmCols; ++c) v[c] = T::kHeadRope ? rs_tile[r * T::kRsLd + sm_key<T>(part, c)] : 0.f;
 #pragma unroll
   for (int sd = 0; sd < T::kSDW; ++sd) {
-    const float* src = s_s + (sd * T::kM + r) * T::kSLd + c0;
+    const float* src = s_s + (sd * T::kM + r) * T::kSLd;
     if constexpr (T::kSmCols % 4 == 0) {
 #pragma unroll
-      for (int c = 0; c < T::kSmCols; c += 4) {
-        const float4 x = *reinterpret_cast<const float4*>(src + c);
+      for (int c = 0; c < T::kSmCols; c += 4) {  // (4 adjacent keys)
+        const float4 x = *reinterpret_cast<const float4*>(src + sm_key<T>(part, c));
         v[c] += x.x;
         v[c + 1] += x.y;
         v[c + 2] += x.z;
@@ -541,13 +565,13 @@ MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2
       }
     } else {
 #pragma unroll
-      for (int c = 0; c < T::kSmCols; ++c) v[c] += src[c];
+      for (int c = 0; c < T::kSmCols; ++c) v[c] += src[sm_key<T>(part, c)];
     }
   }
   float mx = neg_inf();
 #pragma unroll
   for (int c = 0; c < T::kSmCols; ++c) {
-    v[c] = key0 + c0 + c < limit ? v[c] * scale_log2 : neg_inf();
+    v[c] = key0 + sm_key<T>(part, c) < limit ? v[c] * scale_log2 : neg_inf();
     mx = fmaxf(mx, v[c]);
   }
 #pragma unroll
@@ -564,8 +588,11 @@ MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2
     w[c / 2] = E::pack2(p0, p1);
     sum += p0 + p1;  // (the fp32 P: see kPortableLazyMax)
   }
-  uint32_t* dst = reinterpret_cast<uint32_t*>(p_s + r * T::kPLd + c0);
-  if constexpr (T::kSmCols % 8 == 0) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(p_s + r * T::kPLd + sm_key<T>(part, 0));
+  if constexpr (T::kSmSplit) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    *reinterpret_cast<uint2*>(dst + 8) = make_uint2(w[2], w[3]);  // (keys 16 on)
+  } else if constexpr (T::kSmCols % 8 == 0) {
 #pragma unroll
     for (int c = 0; c < T::kSmCols / 2; c += 4)
       *reinterpret_cast<uint4*>(dst + c) = make_uint4(w[c], w[c + 1], w[c + 2], w[c + 3]);
@@ -714,7 +741,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     for (int n = 0; n < T::kPNT; ++n) mma::zero(o[mt][n]);
 
   // the softmax row of this thread; causal: query i of s_q sees positions < L - (s_q - 1 - i)
-  const int srow = tid / T::kSmLanes;
+  const int srow = sm_row<T>(tid);
   const int limit = p.causal ? pt.L - (p.s_q - 1 - (block_x() * T::kM + srow) / p.h_q) : pt.L;
   RowState st{neg_inf(), 0.f};
 
