@@ -68,6 +68,12 @@ MLA_DEVICE void load_b_kn(FragB& b, const bf16_t* p, int ld) {
   ldmatrix_x4_trans(b.r, p + (lane & 15) * ld + 8 * (lane >> 4));
 }
 
+// The same fragments from each lane's own row address, for layouts the caller swizzles: lane l gives the
+// row load_b_nk / load_b_kn would (rows (l & 7) + 8 (l >> 4), 8 columns from 8 ((l >> 3) & 1); rows l & 15,
+// 8 columns from 8 (l >> 4)).
+MLA_DEVICE void load_b_lane(FragB& b, const bf16_t* p) { ldmatrix_x4(b.r, p); }
+MLA_DEVICE void load_b_trans_lane(FragB& b, const bf16_t* p) { ldmatrix_x4_trans(b.r, p); }
+
 using FragBKn = FragB;
 MLA_DEVICE void load_b_kn_parts(FragBKn& b, const bf16_t* p, int ld) { load_b_kn(b, p, ld); }
 MLA_DEVICE const FragB& b_of(const FragBKn& b) { return b; }

@@ -48,6 +48,14 @@
 namespace mla {
 namespace {
 
+// Test builds that run gfx942's loads or read-ahead on NVIDIA (-DMLA_PORTABLE_REG_LOADS,
+// -DMLA_PORTABLE_PREFETCH) keep its padded key rows too (AttnTile::kSwizK).
+#if defined(MLA_PORTABLE_REG_LOADS) || defined(MLA_PORTABLE_PREFETCH)
+constexpr bool kSwizKeys = false;
+#else
+constexpr bool kSwizKeys = true;
+#endif
+
 // kM rows per block; scores on a kSMW x kSDW warp grid, P V on kPMW x
 // (warps / kPMW); kBN keys per tile, kStages tiles in the ring; kMinBlocks
 // blocks per SM/CU the register allocation must allow; kLoadParts (1 or 3):
@@ -81,7 +89,15 @@ struct AttnTile {
   // softmax: kSmLanes threads per row (adjacent lanes of one warp), kSmCols keys each
   static constexpr int kSmLanes = kThreads / kM, kSmCols = kBN / kSmLanes;
 
-  static constexpr int kLd = kDp + 8;   // key rows (bf16): +16 B, ldmatrix rows on distinct banks
+  // key rows (bf16). kSwizK (NVIDIA tiles of 8 copying threads per row): unpadded rows, a multiple of 128
+  // bytes, each 16-byte chunk c of row r stored at c XOR (r mod 8) within its 128 bytes (key_off), and the
+  // warps' D and Dv slices interleaved in 16-column steps (k-step i of score warp sd: columns 16 (kSDW i + sd);
+  // P V warp pn's tile n: 16 (kPNW n + pn)), so that a row's copies fill whole 128-byte lines of shared
+  // memory, ldmatrix's 8 rows still fall on 8 distinct bank groups, and every fragment's address is a lane's
+  // base plus a constant. Else rows padded by 16 bytes (ldmatrix's rows on distinct banks), which split each
+  // row's cp.async stores over two lines: 2.7x their ideal shared-memory wavefronts (docs/portable.md).
+  static constexpr bool kSwizK = kSwizKeys && mma::kCPairedCols && kLdTpr == 8 && kSDW >= 4 && kPNW >= 4;
+  static constexpr int kLd = kSwizK ? kDp : kDp + 8;
   // partial-score rows (fp32), 16-byte aligned for vector reads. With mma.sync's paired C columns and 8 keys
   // per softmax thread (kSmSplit: see sm_row), 40 floats: the scores' 8-byte stores (a half-warp: 4 rows x 32 B)
   // then fall on 4 distinct 8-bank groups, and the softmax's reads on distinct banks too; else 36 floats
@@ -107,6 +123,7 @@ struct AttnTile {
                     kBN % kSmLanes == 0 && kSmCols % 2 == 0,
                 "softmax: a row's lanes must be a power of two within a warp, with an even count of keys each");
   static_assert(kStages >= 2, "need at least double buffering");
+  static_assert(!kSwizK || (kDp % 64 == 0 && kDv % (16 * kPNW) == 0), "swizzled keys: whole 128-byte rows");
   static_assert(kLoadParts == 1 || kLoadParts == 3, "a refill's copies: in 1 part or 3 (a part may be empty)");
 };
 
@@ -237,7 +254,10 @@ MLA_DEVICE KeyRow key_row(const AttnParams& p, const Part& pt, int j, const Smem
   const bf16_t* rope = ok && p.kpe != nullptr
                            ? p.kpe + pt.b * p.kpe_batch_stride + static_cast<int64_t>(t) * p.kpe_row_stride
                            : row + T::kDv;
-  return {row, rope, sm.kv + (slot * T::kBN + r) * T::kLd, ok, tid % T::kLdTpr};
+  const int lr = tid % T::kLdTpr, kr = slot * T::kBN + r;
+  // (kSwizK: chunk lr + 8 k lies at (lr ^ (kr mod 8)) + 8 k: the lane's shift folded into the row's base)
+  const int shift = T::kSwizK ? 8 * ((lr ^ (kr & 7)) - lr) : 0;
+  return {row, rope, sm.kv + kr * T::kLd + shift, ok, lr};
 }
 
 // Chunks [kFrom, kTo) of the thread's kLdSteps (a chunk of a row past the length, or a padding column, copies
@@ -369,8 +389,8 @@ MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, int32_t e
 
 template <typename T, bool kFp8>
 MLA_DEVICE void store_keys(const AttnParams& p, const Smem<T>& sm, int j, const KeyChunks<T, kFp8>& kc, int tid) {
-  const int slot = j % T::kStages, r = tid / T::kLdTpr, lr = tid % T::kLdTpr;
-  bf16_t* dst = sm.kv + (slot * T::kBN + r) * T::kLd;
+  const int slot = j % T::kStages, r = tid / T::kLdTpr, lr = tid % T::kLdTpr, kr = slot * T::kBN + r;
+  bf16_t* dst = sm.kv + kr * T::kLd + (T::kSwizK ? 8 * ((lr ^ (kr & 7)) - lr) : 0);  // (as key_row)
 #pragma unroll
   for (int k = 0; k < T::kLdSteps; ++k) {
     const int ch = lr + k * T::kLdTpr;
@@ -392,18 +412,39 @@ MLA_DEVICE void store_keys(const AttnParams& p, const Smem<T>& sm, int j, const 
   }
 }
 
+// The first column of score warp sd's k-step ks (AttnTile::kSwizK: interleaved), and of P V warp pn's
+// 16-column tile n.
+template <typename T>
+MLA_DEVICE constexpr int score_col(int sd, int ks) {
+  return T::kSwizK ? 16 * (T::kSDW * ks + sd) : sd * T::kSD + 16 * ks;
+}
+template <typename T>
+MLA_DEVICE constexpr int pv_col(int pn, int n) {
+  return T::kSwizK ? 16 * (T::kPNW * n + pn) : pn * T::kPN + 16 * n;
+}
+
 // This warp's Q slice of the scores grid, straight from memory into registers.
 template <typename T>
 MLA_DEVICE void load_q(const AttnParams& p, int b, int warp, mma::FragA (&qf)[T::kSMT][T::kSKS]) {
   const int sm_w = warp % T::kSMW, sd_w = warp / T::kSMW;
   const int row0 = block_x() * T::kM + sm_w * T::kSM;
-  const bf16_t* qp = p.q + b * p.q_batch_stride + row0 * p.q_row_stride + sd_w * T::kSD;
+  const int col0 = score_col<T>(sd_w, 0), step = score_col<T>(0, 1);
+  const bf16_t* qp = p.q + b * p.q_batch_stride + row0 * p.q_row_stride + col0;
 #pragma unroll
   for (int mt = 0; mt < T::kSMT; ++mt)
 #pragma unroll
     for (int ks = 0; ks < T::kSKS; ++ks)
-      mma::load_a_global(qf[mt][ks], qp + mt * 16 * p.q_row_stride + ks * 16, p.q_row_stride,
-                         p.rows - row0 - mt * 16, T::kD - sd_w * T::kSD - ks * 16);
+      mma::load_a_global(qf[mt][ks], qp + mt * 16 * p.q_row_stride + ks * step, p.q_row_stride,
+                         p.rows - row0 - mt * 16, T::kD - col0 - ks * step);
+}
+
+// Element offset of column c of row r of the key ring (AttnTile::kSwizK's layout, or padded rows).
+template <typename T>
+MLA_DEVICE int key_off(int r, int c) {
+  if constexpr (T::kSwizK)
+    return r * T::kLd + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+  else
+    return r * T::kLd + c;
 }
 
 // rot(x, t) = x cos + cat(-x2, x1) sin on the tile's rope columns in shared
@@ -414,13 +455,15 @@ MLA_DEVICE void rope_tile(bf16_t* kt, const bf16_t* cs_tile, int key0, int L, in
   for (int e = tid; e < T::kBN * kHalf; e += T::kThreads) {
     const int r = e / kHalf, jj = e % kHalf;
     if (key0 + r < L) {
-      bf16_t* x = kt + r * T::kLd + (T::kD - T::kRope);
+      // (a slot holds whole groups of 8 rows: r mod 8 is the ring row's)
+      bf16_t* x1p = kt + key_off<T>(r, T::kD - T::kRope + jj);
+      bf16_t* x2p = kt + key_off<T>(r, T::kD - T::kRope + kHalf + jj);
       const bf16_t* cs = cs_tile + r * T::kRope;
       const float c = bf16_to_float(cs[jj]);
       const float s = bf16_to_float(cs[kHalf + jj]);
-      const float x1 = bf16_to_float(x[jj]), x2 = bf16_to_float(x[kHalf + jj]);
-      x[jj] = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
-      x[kHalf + jj] = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+      const float x1 = bf16_to_float(*x1p), x2 = bf16_to_float(*x2p);
+      *x1p = float_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
+      *x2p = float_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
     }
   }
 }
@@ -446,7 +489,8 @@ MLA_DEVICE void store_c(const mma::FragC& c, float* dst, int ld, int lane) {
 // own, with or without iglp_opt, read each fragment right before its MFMAs
 // and waited for it, an LDS round trip per step (scores at 64 rows, P V at 16
 // and 32). NVIDIA keeps the plain loops (this source changes their SASS;
-// -DMLA_PORTABLE_PREFETCH builds it there, to test it).
+// -DMLA_PORTABLE_PREFETCH builds it there, to test it, with gfx942's padded
+// key rows: kSwizKeys).
 template <int kSteps, int kFirstReads, int kReads, int kMfmas, typename Frag, typename Load, typename Use>
 MLA_DEVICE void steps_read_ahead(Load load, Use use) {
   constexpr int kAhead = kSteps < 4 ? kSteps : 4;
@@ -482,6 +526,22 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
     mma::FragC acc[T::kSMT];
 #pragma unroll
     for (int mt = 0; mt < T::kSMT; ++mt) mma::zero(acc[mt]);
+#if !MLA_AMD
+    if constexpr (T::kSwizK) {
+      // this lane's ldmatrix row ((lane & 7) + 8 (lane >> 4), as mma::load_b_nk) at its chunk of k-step 0
+      // (column 16 sd + 8 ((lane >> 3) & 1)), swizzled; k-step ks lies 16 kSDW ks columns on (whole 128 bytes)
+      const int u = 2 * sd_w + ((lane >> 3) & 1);
+      const bf16_t* kl = kt + ((lane & 7) + 8 * (lane >> 4)) * T::kLd + 8 * ((u & ~7) + ((u & 7) ^ (lane & 7)));
+#pragma unroll
+      for (int ks = 0; ks < T::kSKS; ++ks) {
+        mma::FragB kf;
+        mma::load_b_lane(kf, kl + n * 16 * T::kLd + 16 * T::kSDW * ks);
+#pragma unroll
+        for (int mt = 0; mt < T::kSMT; ++mt) mma::mma<kF16>(acc[mt], qf[mt][ks], kf);
+      }
+    } else
+#endif
+    {
 #if MLA_AMD || defined(MLA_PORTABLE_PREFETCH)
     // (one LDS read per key fragment)
     steps_read_ahead<T::kSKS, 0, 1, T::kSMT, mma::FragB>(
@@ -499,6 +559,7 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
       for (int mt = 0; mt < T::kSMT; ++mt) mma::mma<kF16>(acc[mt], qf[mt][ks], kf);
     }
 #endif
+    }
 #pragma unroll
     for (int mt = 0; mt < T::kSMT; ++mt) store_c(acc[mt], sw + mt * 16 * T::kSLd + n * 16, T::kSLd, lane);
   }
@@ -636,6 +697,22 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
     mma::FragA pa[T::kPMT];
 #pragma unroll
     for (int mt = 0; mt < T::kPMT; ++mt) mma::load_a(pa[mt], pb + mt * 16 * T::kPLd + kk * 16, T::kPLd);
+#if !MLA_AMD
+    if constexpr (T::kSwizK) {
+      // this lane's ldmatrix.trans row (lane & 15, as mma::load_b_kn) at its chunk of tile 0 (column 16 pn +
+      // 8 (lane >> 4)), swizzled; tile n lies 16 kPNW n columns on (whole 128 bytes)
+      const int u = 2 * pn_w + (lane >> 4);
+      const bf16_t* vl = kt + (lane & 15) * T::kLd + 8 * ((u & ~7) + ((u & 7) ^ (lane & 7)));
+#pragma unroll
+      for (int n = 0; n < T::kPNT; ++n) {
+        mma::FragB vf;
+        mma::load_b_trans_lane(vf, vl + kk * 16 * T::kLd + 16 * T::kPNW * n);
+#pragma unroll
+        for (int mt = 0; mt < T::kPMT; ++mt) mma::mma<kF16>(o[mt][n], pa[mt], vf);
+      }
+    } else
+#endif
+    {
 #if MLA_AMD || defined(MLA_PORTABLE_PREFETCH)
     // (P's fragments first; four 2-byte LDS reads per value fragment on AMD,
     // packed at their use, so that no read is waited for steps early)
@@ -655,6 +732,7 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
       for (int mt = 0; mt < T::kPMT; ++mt) mma::mma<kF16>(o[mt][n], pa[mt], vf);
     }
 #endif
+    }
   }
 }
 
@@ -665,7 +743,7 @@ MLA_DEVICE void write_out(const AttnParams& p, const Part& pt, const mma::FragC 
                           const float* row_s, int warp, int lane) {
   using E = Half16<kF16>;
   const int pm_w = warp % T::kPMW, pn_w = warp / T::kPMW;
-  const int col0 = pn_w * T::kPN;
+  const int col0 = pv_col<T>(pn_w, 0), step = pv_col<T>(0, 1);
   const int64_t prow = static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
 #pragma unroll
   for (int mt = 0; mt < T::kPMT; ++mt)
@@ -679,7 +757,7 @@ MLA_DEVICE void write_out(const AttnParams& p, const Part& pt, const mma::FragC 
         bf16_t* orow = p.o + (static_cast<int64_t>(pt.b) * p.rows + r) * T::kDv + col0;
 #pragma unroll
         for (int n = 0; n < T::kPNT; ++n) {
-          const int c = n * 16 + mma::c_col(lane, i);
+          const int c = n * step + mma::c_col(lane, i);
           if constexpr (mma::kCPairedCols)
             *reinterpret_cast<uint32_t*>(orow + c) = E::pack2(o[mt][n].v[i] * sc, o[mt][n].v[i + 1] * sc);
           else
@@ -689,7 +767,7 @@ MLA_DEVICE void write_out(const AttnParams& p, const Part& pt, const mma::FragC 
         float* orow = p.o_part + (prow + r) * T::kDv + col0;
 #pragma unroll
         for (int n = 0; n < T::kPNT; ++n) {
-          const int c = n * 16 + mma::c_col(lane, i);
+          const int c = n * step + mma::c_col(lane, i);
           if constexpr (mma::kCPairedCols)
             *reinterpret_cast<float2*>(orow + c) = make_float2(o[mt][n].v[i] * sc, o[mt][n].v[i + 1] * sc);
           else
@@ -705,7 +783,7 @@ MLA_DEVICE void write_out(const AttnParams& p, const Part& pt, const mma::FragC 
 template <typename T, bool kF16, bool kFp8>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(const AttnParams p) {
   static_assert(!kFp8 || (!kF16 && !T::kHeadRope), "fp8 caches: bf16 q and the rope keys in the latent row");
-  extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
+  extern __shared__ __attribute__((aligned(128))) unsigned char smem[];  // (kSwizK: 128-byte rows)
   const Smem<T> sm(smem);
 
   Part pt;
