@@ -89,14 +89,15 @@ struct AttnTile {
   // softmax: kSmLanes threads per row (adjacent lanes of one warp), kSmCols keys each
   static constexpr int kSmLanes = kThreads / kM, kSmCols = kBN / kSmLanes;
 
-  // key rows (bf16). kSwizK (NVIDIA tiles of 8 copying threads per row): unpadded rows, a multiple of 128
-  // bytes, each 16-byte chunk c of row r stored at c XOR (r mod 8) within its 128 bytes (key_off), and the
+  // key rows (bf16). kSwizK (NVIDIA tiles of 8 or 4 copying threads per row): unpadded rows, a multiple of 128
+  // bytes, each 16-byte chunk c of row r stored at c XOR key_xor(r) within its 128 bytes (key_off), and the
   // warps' D and Dv slices interleaved in 16-column steps (k-step i of score warp sd: columns 16 (kSDW i + sd);
   // P V warp pn's tile n: 16 (kPNW n + pn)), so that a row's copies fill whole 128-byte lines of shared
   // memory, ldmatrix's 8 rows still fall on 8 distinct bank groups, and every fragment's address is a lane's
   // base plus a constant. Else rows padded by 16 bytes (ldmatrix's rows on distinct banks), which split each
   // row's cp.async stores over two lines: 2.7x their ideal shared-memory wavefronts (docs/portable.md).
-  static constexpr bool kSwizK = kSwizKeys && mma::kCPairedCols && kLdTpr == 8 && kSDW >= 4 && kPNW >= 4;
+  static constexpr bool kSwizK =
+      kSwizKeys && mma::kCPairedCols && (kLdTpr == 8 || kLdTpr == 4) && kSDW >= 4 && kPNW >= 4;
   static constexpr int kLd = kSwizK ? kDp : kDp + 8;
   // partial-score rows (fp32), 16-byte aligned for vector reads. With mma.sync's paired C columns and 8 keys
   // per softmax thread (kSmSplit: see sm_row), 40 floats: the scores' 8-byte stores (a half-warp: 4 rows x 32 B)
@@ -244,7 +245,33 @@ struct KeyRow {
   bf16_t* dst;
   bool ok;  // the row lies before the length
   int lr;   // the thread's place among the row's kLdTpr threads
+  int odd;  // kSwizK with 4 threads per row: added to dst at the odd steps (key_shift)
 };
+
+// The 16-byte chunk of key row r that its chunk 8 g + i lies at: 8 g + (i ^ key_xor(r)). Every 8 consecutive
+// rows take 8 distinct values (ldmatrix's 8 rows on 8 bank groups). With 4 copying threads per row, a
+// quarter-warp copies half a group of rows r and r + 1 (r even), so their values also differ in bit 2 (the
+// halves on distinct banks).
+template <typename T>
+MLA_DEVICE int key_xor(int r) {
+  return T::kLdTpr == 4 ? (r & 7) ^ ((r & 1) << 2) : r & 7;
+}
+
+// kSwizK: a copying thread's destination shift. Chunk lr + kLdTpr k of ring row kr lies at dst + 8 (lr +
+// kLdTpr k) with dst = the row's base + 8 ((lr ^ x) - lr), x = key_xor(kr): at 8 threads per row exactly;
+// at 4, plus `odd` elements at odd k (-64 where lr ^ x has bit 2 set, else 0).
+struct KeyShift {
+  int dst, odd;
+};
+template <typename T>
+MLA_DEVICE KeyShift key_shift(int kr, int lr) {
+  if constexpr (!T::kSwizK) {
+    return {0, 0};
+  } else {
+    const int c = lr ^ key_xor<T>(kr);
+    return {8 * (c - lr), T::kLdTpr == 4 && (c & 4) ? -64 : 0};
+  }
+}
 
 template <typename T>
 MLA_DEVICE KeyRow key_row(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
@@ -255,9 +282,8 @@ MLA_DEVICE KeyRow key_row(const AttnParams& p, const Part& pt, int j, const Smem
                            ? p.kpe + pt.b * p.kpe_batch_stride + static_cast<int64_t>(t) * p.kpe_row_stride
                            : row + T::kDv;
   const int lr = tid % T::kLdTpr, kr = slot * T::kBN + r;
-  // (kSwizK: chunk lr + 8 k lies at (lr ^ (kr mod 8)) + 8 k: the lane's shift folded into the row's base)
-  const int shift = T::kSwizK ? 8 * ((lr ^ (kr & 7)) - lr) : 0;
-  return {row, rope, sm.kv + kr * T::kLd + shift, ok, lr};
+  const KeyShift sh = key_shift<T>(kr, lr);
+  return {row, rope, sm.kv + kr * T::kLd + sh.dst, ok, lr, sh.odd};
 }
 
 // Chunks [kFrom, kTo) of the thread's kLdSteps (a chunk of a row past the length, or a padding column, copies
@@ -268,7 +294,8 @@ MLA_DEVICE void copy_chunks(const KeyRow& kr) {
   for (int k = kFrom; k < kTo; ++k) {
     const KeyChunk c = key_chunk<T>(k, kr.lr);
     if (T::kChunksPadded % T::kLdTpr != 0 && c.ch >= T::kChunksPadded) break;
-    copy16_async(kr.dst + c.ch * 8, c.rope ? kr.rope + (c.ch - T::kDv / 8) * 8 : kr.row + c.ch * 8, kr.ok && c.in_row);
+    copy16_async(kr.dst + c.ch * 8 + (T::kLdTpr == 4 && (k & 1) ? kr.odd : 0),
+                 c.rope ? kr.rope + (c.ch - T::kDv / 8) * 8 : kr.row + c.ch * 8, kr.ok && c.in_row);
   }
 }
 
@@ -390,15 +417,17 @@ MLA_DEVICE void fetch_keys(const AttnParams& p, const Part& pt, int j, int32_t e
 template <typename T, bool kFp8>
 MLA_DEVICE void store_keys(const AttnParams& p, const Smem<T>& sm, int j, const KeyChunks<T, kFp8>& kc, int tid) {
   const int slot = j % T::kStages, r = tid / T::kLdTpr, lr = tid % T::kLdTpr, kr = slot * T::kBN + r;
-  bf16_t* dst = sm.kv + kr * T::kLd + (T::kSwizK ? 8 * ((lr ^ (kr & 7)) - lr) : 0);  // (as key_row)
+  const KeyShift sh = key_shift<T>(kr, lr);  // (as key_row)
+  bf16_t* dst = sm.kv + kr * T::kLd + sh.dst;
 #pragma unroll
   for (int k = 0; k < T::kLdSteps; ++k) {
     const int ch = lr + k * T::kLdTpr;
     if (T::kChunksPadded % T::kLdTpr != 0 && ch >= T::kChunksPadded) break;
+    bf16_t* d = dst + ch * 8 + (T::kLdTpr == 4 && (k & 1) ? sh.odd : 0);
     if constexpr (kFp8)
-      store_fp8x8_as_bf16(dst + ch * 8, kc.v[k]);
+      store_fp8x8_as_bf16(d, kc.v[k]);
     else
-      *reinterpret_cast<uint4*>(dst + ch * 8) = kc.v[k];
+      *reinterpret_cast<uint4*>(d) = kc.v[k];
   }
   if constexpr (KeyChunks<T, kFp8>::kCsSteps > 0) {
     if (p.rope_cs != nullptr) {
@@ -442,7 +471,7 @@ MLA_DEVICE void load_q(const AttnParams& p, int b, int warp, mma::FragA (&qf)[T:
 template <typename T>
 MLA_DEVICE int key_off(int r, int c) {
   if constexpr (T::kSwizK)
-    return r * T::kLd + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+    return r * T::kLd + (((c >> 3) ^ key_xor<T>(r)) << 3) + (c & 7);
   else
     return r * T::kLd + c;
 }
@@ -531,7 +560,8 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
       // this lane's ldmatrix row ((lane & 7) + 8 (lane >> 4), as mma::load_b_nk) at its chunk of k-step 0
       // (column 16 sd + 8 ((lane >> 3) & 1)), swizzled; k-step ks lies 16 kSDW ks columns on (whole 128 bytes)
       const int u = 2 * sd_w + ((lane >> 3) & 1);
-      const bf16_t* kl = kt + ((lane & 7) + 8 * (lane >> 4)) * T::kLd + 8 * ((u & ~7) + ((u & 7) ^ (lane & 7)));
+      const bf16_t* kl =
+          kt + ((lane & 7) + 8 * (lane >> 4)) * T::kLd + 8 * ((u & ~7) + ((u & 7) ^ key_xor<T>(lane)));
 #pragma unroll
       for (int ks = 0; ks < T::kSKS; ++ks) {
         mma::FragB kf;
@@ -702,7 +732,7 @@ MLA_DEVICE void pv(mma::FragC (&o)[T::kPMT][T::kPNT], const bf16_t* p_s, const f
       // this lane's ldmatrix.trans row (lane & 15, as mma::load_b_kn) at its chunk of tile 0 (column 16 pn +
       // 8 (lane >> 4)), swizzled; tile n lies 16 kPNW n columns on (whole 128 bytes)
       const int u = 2 * pn_w + (lane >> 4);
-      const bf16_t* vl = kt + (lane & 15) * T::kLd + 8 * ((u & ~7) + ((u & 7) ^ (lane & 7)));
+      const bf16_t* vl = kt + (lane & 15) * T::kLd + 8 * ((u & ~7) + ((u & 7) ^ key_xor<T>(lane)));
 #pragma unroll
       for (int n = 0; n < T::kPNT; ++n) {
         mma::FragB vf;
