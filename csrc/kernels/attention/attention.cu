@@ -95,7 +95,7 @@ struct AttnTile {
   // P V warp pn's tile n: 16 (kPNW n + pn)), so that a row's copies fill whole 128-byte lines of shared
   // memory, ldmatrix's 8 rows still fall on 8 distinct bank groups, and every fragment's address is a lane's
   // base plus a constant. Else rows padded by 16 bytes (ldmatrix's rows on distinct banks), which split each
-  // row's cp.async stores over two lines: 2.7x their ideal shared-memory wavefronts (docs/portable.md).
+  // row's cp.async stores over two lines and multiply their shared-memory wavefronts (docs/portable.md).
   static constexpr bool kSwizK =
       kSwizKeys && mma::kCPairedCols && (kLdTpr == 8 || kLdTpr == 4) && kSDW >= 4 && kPNW >= 4;
   static constexpr int kLd = kSwizK ? kDp : kDp + 8;
