@@ -333,8 +333,9 @@ MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem
 // Register-staged key loads: each thread reads its chunks of tile j into
 // registers (fetch_keys: all loads issued together, rows past the length
 // and padding columns 0, the load predicated instead of branched around),
-// and writes them to the tile's ring slot after the current tile's P V
-// (store_keys). Used for fp8 caches (the bytes widened to bf16 on the way
+// and writes them to the tile's ring slot (store_keys): after the current
+// tile's P V, or, with two barriers per tile (the kernel's loop), after the
+// next tile's scores. Used for fp8 caches (the bytes widened to bf16 on the way
 // in) and, for every cache, on AMD, where a 16-byte global-to-LDS copy is a load and an LDS store: issued
 // one chunk at a time, behind branches, each waited for its own memory round
 // trip before the tile's products began. NVIDIA builds with
@@ -824,6 +825,18 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
 
   // keys first: the first tiles are in flight while Q is read
   constexpr bool kRegs = kFp8 || kRegLoads;  // register-staged key loads (fetch_keys / store_keys)
+  // Two block barriers per tile (kTwo), or three. Per tile j, with two: scores(j) | A | refill, softmax(j) | B |
+  // P V(j), then straight on to scores(j + 1). A certifies the partial scores, and that every warp left P V(j -
+  // 1): the slot of tile j - 1 is free for the refill (tile j + kStages - 1), P and the rescale factors for the
+  // softmax. B certifies P, and that tile j + 1 is in its slot: stored at A of an earlier tile (register path:
+  // fetched into registers at B of the tile before, stored after A), or copied by cp.async and waited for
+  // before B, which needs a ring of 3 tiles or more (with 2, its copies would be issued after A(j) and waited
+  // for before B(j): the memory's latency exposed). With three (NVIDIA's 2-tile rings: 16 and 32 rows), a
+  // barrier at the top of the tile (tile j landed, the slot of tile j - 1 free), A and B; the register path
+  // then loads at the top and stores after P V. AMD's register path takes two at every ring; on NVIDIA the
+  // fp8 register path keeps three at 2-tile rings, where two measured slower (docs/portable.md).
+  constexpr bool kTwo = kRegLoads || T::kStages >= 3;
+  KeyChunks<T, kFp8> kc_next;  // register path, two barriers: a refill's chunks from one tile to the next
 #pragma unroll
   for (int j = 0; j < T::kStages - 1; ++j) {
     if constexpr (kRegs) {
@@ -839,6 +852,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     copy_commit();
   }
   int32_t next_entry = kRegs ? key_page_entry<T>(p, pt, T::kStages - 1, tid) : 0;  // (the first refill's)
+  if constexpr (kRegs && kTwo) {  // (the first refill's loads, stored at the first tile's A)
+    if (T::kStages - 1 < ntiles) {
+      fetch_keys<T, kFp8>(p, pt, T::kStages - 1, next_entry, kc_next, tid);
+      load_rope_scores<T>(p, pt, T::kStages - 1, sm, tid);
+      next_entry = key_page_entry<T>(p, pt, T::kStages, tid);
+    }
+    copy_commit();
+  }
   mma::FragA qf[T::kSMT][T::kSKS];
   load_q<T>(p, pt.b, warp, qf);
   if constexpr (kRegs) wait_global_loads();  // (Q here, not at its first use in the loop: see copy.h)
@@ -853,30 +874,34 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   const int limit = p.causal ? pt.L - (p.s_q - 1 - (block_x() * T::kM + srow) / p.h_q) : pt.L;
   RowState st{neg_inf(), 0.f};
 
+  if constexpr (kTwo) {
+    copy_wait<kRegs ? T::kStages - 1 : T::kStages - 2>();
+    sync_threads_lds();  // tile 0 in its slot
+  }
   for (int j = 0; j < ntiles; ++j) {
-    copy_wait<T::kStages - 2>();
-    sync_threads_lds();  // tile j landed for everyone; the slot of tile j-1 is free
     const bool refill = j + T::kStages - 1 < ntiles;
-    KeyChunks<T, kFp8> kc;  // (register path: the refill's chunks, stored into its slot later in this tile)
-    if constexpr (kRegs) {
-      if (refill) {
-        fetch_keys<T, kFp8>(p, pt, j + T::kStages - 1, next_entry, kc, tid);
-        load_rope_scores<T>(p, pt, j + T::kStages - 1, sm, tid);
-        next_entry = key_page_entry<T>(p, pt, j + T::kStages, tid);  // (past the length: none read)
-      }
-    }
-    KeyRow kr{};  // (cp.async path: the refill's key row, its copies issued in kLoadParts parts)
-    if constexpr (!kRegs) {
-      if (refill) {
-        kr = key_row<T>(p, pt, j + T::kStages - 1, sm, tid);
-        copy_part<T, 0>(kr);
-        load_tile_extras<T>(p, pt, j + T::kStages - 1, sm, tid);
-      }
-    }
-    if (kRegs || T::kLoadParts == 1) copy_commit();
-
     const int slot = j % T::kStages, key0 = (pt.tile_begin + j) * T::kBN;
     bf16_t* kt = sm.kv + slot * T::kBN * T::kLd;
+    KeyRow kr{};  // (cp.async path: the refill's key row, its copies issued in kLoadParts parts)
+    KeyChunks<T, kFp8> kc_tile;  // (register path, three barriers: the refill's chunks, within the tile)
+    KeyChunks<T, kFp8>& kc = kTwo ? kc_next : kc_tile;
+    if constexpr (!kTwo) {
+      copy_wait<T::kStages - 2>();
+      sync_threads_lds();  // tile j landed for everyone; the slot of tile j - 1 is free
+      if (refill) {
+        if constexpr (kRegs) {
+          fetch_keys<T, kFp8>(p, pt, j + T::kStages - 1, next_entry, kc, tid);
+          load_rope_scores<T>(p, pt, j + T::kStages - 1, sm, tid);
+          next_entry = key_page_entry<T>(p, pt, j + T::kStages, tid);  // (past the length: none read)
+        } else {
+          kr = key_row<T>(p, pt, j + T::kStages - 1, sm, tid);
+          copy_part<T, 0>(kr);
+          load_tile_extras<T>(p, pt, j + T::kStages - 1, sm, tid);
+        }
+      }
+      if constexpr (kRegs || T::kLoadParts == 1) copy_commit();
+    }
+
     if constexpr (!T::kHeadRope && !kF16) {  // (bf16 only; the host refuses it with fp16)
       if (p.rope_cs != nullptr) {
         rope_tile<T>(kt, sm.cs + slot * T::kBN * T::kRope, key0, pt.L, tid);
@@ -884,20 +909,44 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
       }
     }
     scores<T, kF16>(qf, kt, sm.s, warp, lane);
-    sync_threads_lds();
-    if constexpr (!kRegs && T::kLoadParts == 3) {
+    // (register path: tile j's per-head rope scores, copied at B of tile j - kStages or before the loop, landed)
+    if constexpr (kRegs && kTwo) copy_wait<T::kStages - 1>();
+    sync_threads_lds();  // A
+    if constexpr (kTwo) {
+      if (refill) {
+        if constexpr (kRegs) {
+          store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
+        } else {
+          kr = key_row<T>(p, pt, j + T::kStages - 1, sm, tid);
+          copy_part<T, 0>(kr);
+          if constexpr (T::kLoadParts == 3) copy_part<T, 1>(kr);
+          load_tile_extras<T>(p, pt, j + T::kStages - 1, sm, tid);
+        }
+      }
+      if constexpr (!kRegs && T::kLoadParts == 1) copy_commit();
+    } else if constexpr (!kRegs && T::kLoadParts == 3) {
       if (refill) copy_part<T, 1>(kr);
     }
     softmax<T, kF16>(sm.s, sm.rs + slot * T::kM * T::kRsLd, p.scale_log2, key0, limit, st, sm.p, sm.row, tid);
-    sync_threads_lds();
-    if constexpr (!kRegs && T::kLoadParts == 3) {
+    // (cp.async: tile j + 1 landed; the committed groups after it are tiles j + 2 .. j + kStages - 2, and j +
+    // kStages - 1 when copied in one part)
+    if constexpr (kTwo && !kRegs) copy_wait<T::kStages - (T::kLoadParts == 3 ? 3 : 2)>();
+    sync_threads_lds();  // B
+    if constexpr (kTwo && kRegs) {
+      if (j + T::kStages < ntiles) {
+        fetch_keys<T, kFp8>(p, pt, j + T::kStages, next_entry, kc, tid);
+        load_rope_scores<T>(p, pt, j + T::kStages, sm, tid);
+        next_entry = key_page_entry<T>(p, pt, j + T::kStages + 1, tid);  // (past the length: none read)
+      }
+      copy_commit();
+    } else if constexpr (!kRegs && T::kLoadParts == 3) {
       if (refill) copy_part<T, 2>(kr);
       copy_commit();
     }
     pv<T, kF16>(o, sm.p, sm.row, kt, warp, lane);
-    // register path: the refill's stores after P V, the most work between its loads and their use (the
-    // slot of tile j - 1: free since this tile's first barrier)
-    if constexpr (kRegs) {
+    // three barriers, register path: the refill's stores after P V, the most work between its loads and their
+    // use (the slot of tile j - 1: free since this tile's first barrier)
+    if constexpr (!kTwo && kRegs) {
       if (refill) store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
     }
   }
