@@ -442,6 +442,16 @@ MLA_DEVICE void store_keys(const AttnParams& p, const Smem<T>& sm, int j, const 
   }
 }
 
+// A refill's loads into registers: tile j's key chunks (its block-table entry read a tile before, in
+// `entry`, which then takes tile j + 1's) and its per-head rope scores.
+template <typename T, bool kFp8>
+MLA_DEVICE void fetch_refill(const AttnParams& p, const Part& pt, int j, int32_t& entry, KeyChunks<T, kFp8>& kc,
+                             const Smem<T>& sm, int tid) {
+  fetch_keys<T, kFp8>(p, pt, j, entry, kc, tid);
+  load_rope_scores<T>(p, pt, j, sm, tid);
+  entry = key_page_entry<T>(p, pt, j + 1, tid);  // (past the length: none read)
+}
+
 // The first column of score warp sd's k-step ks (AttnTile::kSwizK: interleaved), and of P V warp pn's
 // 16-column tile n.
 template <typename T>
@@ -853,11 +863,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   }
   int32_t next_entry = kRegs ? key_page_entry<T>(p, pt, T::kStages - 1, tid) : 0;  // (the first refill's)
   if constexpr (kRegs && kTwo) {  // (the first refill's loads, stored at the first tile's A)
-    if (T::kStages - 1 < ntiles) {
-      fetch_keys<T, kFp8>(p, pt, T::kStages - 1, next_entry, kc_next, tid);
-      load_rope_scores<T>(p, pt, T::kStages - 1, sm, tid);
-      next_entry = key_page_entry<T>(p, pt, T::kStages, tid);
-    }
+    if (T::kStages - 1 < ntiles) fetch_refill<T, kFp8>(p, pt, T::kStages - 1, next_entry, kc_next, sm, tid);
     copy_commit();
   }
   mma::FragA qf[T::kSMT][T::kSKS];
@@ -890,9 +896,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
       sync_threads_lds();  // tile j landed for everyone; the slot of tile j - 1 is free
       if (refill) {
         if constexpr (kRegs) {
-          fetch_keys<T, kFp8>(p, pt, j + T::kStages - 1, next_entry, kc, tid);
-          load_rope_scores<T>(p, pt, j + T::kStages - 1, sm, tid);
-          next_entry = key_page_entry<T>(p, pt, j + T::kStages, tid);  // (past the length: none read)
+          fetch_refill<T, kFp8>(p, pt, j + T::kStages - 1, next_entry, kc, sm, tid);
         } else {
           kr = key_row<T>(p, pt, j + T::kStages - 1, sm, tid);
           copy_part<T, 0>(kr);
@@ -933,11 +937,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     if constexpr (kTwo && !kRegs) copy_wait<T::kStages - (T::kLoadParts == 3 ? 3 : 2)>();
     sync_threads_lds();  // B
     if constexpr (kTwo && kRegs) {
-      if (j + T::kStages < ntiles) {
-        fetch_keys<T, kFp8>(p, pt, j + T::kStages, next_entry, kc, tid);
-        load_rope_scores<T>(p, pt, j + T::kStages, sm, tid);
-        next_entry = key_page_entry<T>(p, pt, j + T::kStages + 1, tid);  // (past the length: none read)
-      }
+      if (j + T::kStages < ntiles) fetch_refill<T, kFp8>(p, pt, j + T::kStages, next_entry, kc, sm, tid);
       copy_commit();
     } else if constexpr (!kRegs && T::kLoadParts == 3) {
       if (refill) copy_part<T, 2>(kr);
