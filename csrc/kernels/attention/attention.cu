@@ -58,17 +58,14 @@ constexpr bool kSwizKeys = true;
 
 // kM rows per block; scores on a kSMW x kSDW warp grid, P V on kPMW x
 // (warps / kPMW); kBN keys per tile, kStages tiles in the ring; kMinBlocks
-// blocks per SM/CU the register allocation must allow; kLoadParts (1 or 3):
-// a refill's cp.async copies issued at once, or a third before each stage.
-template <int kD_, int kDv_, int kM_, int kSMW_, int kSDW_, int kPMW_, int kBN_, int kStages_, int kMinBlocks_,
-          int kLoadParts_ = 1>
+// blocks per SM/CU the register allocation must allow.
+template <int kD_, int kDv_, int kM_, int kSMW_, int kSDW_, int kPMW_, int kBN_, int kStages_, int kMinBlocks_>
 struct AttnTile {
   static constexpr int kD = kD_;
   static constexpr int kDv = kDv_;
   static constexpr int kRope = kD - kDv;  // 0: per-head rope keys (scores from the workspace)
   static constexpr bool kHeadRope = kRope == 0;
   static constexpr int kM = kM_, kBN = kBN_, kStages = kStages_, kMinBlocks = kMinBlocks_;
-  static constexpr int kLoadParts = kLoadParts_;
   static constexpr int kWarps = kSMW_ * kSDW_;
   static constexpr int kThreads = kWarps * kWarpSize;
   // scores: warp grid, rows and k-steps per warp
@@ -125,7 +122,6 @@ struct AttnTile {
                 "softmax: a row's lanes must be a power of two within a warp, with an even count of keys each");
   static_assert(kStages >= 2, "need at least double buffering");
   static_assert(!kSwizK || (kDp % 64 == 0 && kDv % (16 * kPNW) == 0), "swizzled keys: whole 128-byte rows");
-  static_assert(kLoadParts == 1 || kLoadParts == 3, "a refill's copies: in 1 part or 3 (a part may be empty)");
 };
 
 // The tile configurations per vendor and head block (kM = 16, 32 or 64 rows).
@@ -145,8 +141,8 @@ struct TileChoice<kD, kDv, 16> { using type = AttnTile<kD, kDv, 16, 1, 2, 1, 16,
 #else
 // NVIDIA (when the Hopper kernel is not used): 64 rows on 8 warps, scores on
 // 2 x 4 (32 rows x 144 columns: Q slice 72 registers), P V on 1 x 8 (64 rows x
-// 64 columns: O 128), one block per SM, a 3 x 32-key ring, a refill's copies
-// spread over the three stages; 32 rows on 4 warps
+// 64 columns: O 128), one block per SM, a 3 x 32-key ring (a tile's copies
+// issued at the top of the tile before it); 32 rows on 4 warps
 // (scores 1 x 4, P V 1 x 4), two blocks per SM; 16 rows (dv 512) on 8 warps
 // (scores 1 x 8 over D padded to 640, P V 1 x 8: 120 registers), two blocks
 // per SM, each a 2 x 32-key ring. The choices and the ones measured slower:
@@ -154,7 +150,7 @@ struct TileChoice<kD, kDv, 16> { using type = AttnTile<kD, kDv, 16, 1, 2, 1, 16,
 template <int kD, int kDv, int kM>
 struct TileChoice;
 template <int kD, int kDv>
-struct TileChoice<kD, kDv, 64> { using type = AttnTile<kD, kDv, 64, 2, 4, (kDv >= 128 ? 1 : 2), 32, 3, 1, 3>; };
+struct TileChoice<kD, kDv, 64> { using type = AttnTile<kD, kDv, 64, 2, 4, (kDv >= 128 ? 1 : 2), 32, 3, 1>; };
 template <int kD, int kDv>
 struct TileChoice<kD, kDv, 32> { using type = AttnTile<kD, kDv, 32, 1, 4, 1, 32, 2, 2>; };
 template <int kD, int kDv>
@@ -231,14 +227,9 @@ MLA_DEVICE KeyChunk key_chunk(int k, int lr) {
 }
 
 // The cp.async key path: each thread copies kLdSteps chunks of one key row of
-// tile j into its ring slot (one page lookup per row and tile), in one part
-// or, with kLoadParts 3, a third before each of the tile's stages, so that a
-// warp's copies wait for the load unit beside the other warps' products
-// instead of all together. (Issued at once, the copies of all 8 warps of the
-// 64-row block queued together, and the first instruction after them that
-// reused a register they read waited for the last to leave the queue:
-// docs/portable.md.) KeyRow: one thread's key row of tile j, its source (the
-// latent row and the rope columns' base) and its ring-slot row.
+// tile j into its ring slot (one page lookup per row and tile). KeyRow: one
+// thread's key row of tile j, its source (the latent row and the rope
+// columns' base) and its ring-slot row.
 struct KeyRow {
   const bf16_t* row;
   const bf16_t* rope;
@@ -299,12 +290,6 @@ MLA_DEVICE void copy_chunks(const KeyRow& kr) {
   }
 }
 
-// Part q of kLoadParts of the chunks.
-template <typename T, int q>
-MLA_DEVICE void copy_part(const KeyRow& kr) {
-  copy_chunks<T, q * T::kLdSteps / T::kLoadParts, (q + 1) * T::kLdSteps / T::kLoadParts>(kr);
-}
-
 // The cos|sin rows or per-head rope scores of tile j.
 template <typename T>
 MLA_DEVICE void load_tile_extras(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
@@ -323,7 +308,7 @@ MLA_DEVICE void load_tile_extras(const AttnParams& p, const Part& pt, int j, con
   }
 }
 
-// All of tile j's copies (the ring's first tiles).
+// All of tile j's copies.
 template <typename T>
 MLA_DEVICE void load_tile(const AttnParams& p, const Part& pt, int j, const Smem<T>& sm, int tid) {
   copy_chunks<T, 0, T::kLdSteps>(key_row<T>(p, pt, j, sm, tid));
@@ -835,20 +820,23 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
 
   // keys first: the first tiles are in flight while Q is read
   constexpr bool kRegs = kFp8 || kRegLoads;  // register-staged key loads (fetch_keys / store_keys)
-  // Two block barriers per tile (kTwo), or three. Per tile j, with two: scores(j) | A | refill, softmax(j) | B |
-  // P V(j), then straight on to scores(j + 1). A certifies the partial scores, and that every warp left P V(j -
-  // 1): the slot of tile j - 1 is free for the refill (tile j + kStages - 1), P and the rescale factors for the
-  // softmax. B certifies P, and that tile j + 1 is in its slot: stored at A of an earlier tile (register path:
-  // fetched into registers at B of the tile before, stored after A), or copied by cp.async and waited for
-  // before B, which needs a ring of 3 tiles or more (with 2, its copies would be issued after A(j) and waited
-  // for before B(j): the memory's latency exposed). With three (NVIDIA's 2-tile rings: 16 and 32 rows), a
-  // barrier at the top of the tile (tile j landed, the slot of tile j - 1 free), A and B; the register path
-  // then loads at the top and stores after P V. AMD's register path takes two at every ring; on NVIDIA the
-  // fp8 register path keeps three at 2-tile rings, where two measured slower (docs/portable.md).
+  // Two block barriers per tile (kTwo), or three. Per tile j, with two: scores(j) | A | softmax(j) | B | P V(j),
+  // then straight on to scores(j + 1). A certifies the partial scores, and that every warp left P V(j - 1): P
+  // and the rescale factors are free for the softmax, and the slot of tile j - 1 for a refill. B certifies P,
+  // and that tile j + 1 is in its slot. Register path: tile j + kStages - 1 stored after A (into the slot of
+  // tile j - 1), fetched into registers after B of the tile before. cp.async path (a ring of 3 or more): tile
+  // j + 1's copies issued at the top of tile j, into the slot of tile j - 2 (free since A of tile j - 1), and
+  // waited for before B: the copies' issue lies in front of the scores, off the softmax's path between A and B
+  // (with 2 tiles, the slot is not free until A(j), and the memory's latency would lie exposed before B(j)).
+  // With three (NVIDIA's 2-tile rings: 16 and 32 rows), a barrier at the top of the tile (tile j landed, the
+  // slot of tile j - 1 free), A and B; the refill (tile j + 1) is copied, or loaded into registers, at the top
+  // and stored after P V. AMD's register path takes two at every ring; on NVIDIA the fp8 register path keeps
+  // three at 2-tile rings, where two measured slower (docs/portable.md).
   constexpr bool kTwo = kRegLoads || T::kStages >= 3;
+  constexpr bool kCopyNext = kTwo && !kRegs;  // (cp.async, two barriers: tile j + 1 copied at the top of tile j)
   KeyChunks<T, kFp8> kc_next;  // register path, two barriers: a refill's chunks from one tile to the next
 #pragma unroll
-  for (int j = 0; j < T::kStages - 1; ++j) {
+  for (int j = 0; j < (kCopyNext ? 1 : T::kStages - 1); ++j) {
     if constexpr (kRegs) {
       KeyChunks<T, kFp8> kc;
       if (j < ntiles) {
@@ -881,14 +869,13 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   RowState st{neg_inf(), 0.f};
 
   if constexpr (kTwo) {
-    copy_wait<kRegs ? T::kStages - 1 : T::kStages - 2>();
+    copy_wait<kRegs ? T::kStages - 1 : 0>();
     sync_threads_lds();  // tile 0 in its slot
   }
   for (int j = 0; j < ntiles; ++j) {
     const bool refill = j + T::kStages - 1 < ntiles;
     const int slot = j % T::kStages, key0 = (pt.tile_begin + j) * T::kBN;
     bf16_t* kt = sm.kv + slot * T::kBN * T::kLd;
-    KeyRow kr{};  // (cp.async path: the refill's key row, its copies issued in kLoadParts parts)
     KeyChunks<T, kFp8> kc_tile;  // (register path, three barriers: the refill's chunks, within the tile)
     KeyChunks<T, kFp8>& kc = kTwo ? kc_next : kc_tile;
     if constexpr (!kTwo) {
@@ -898,12 +885,13 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
         if constexpr (kRegs) {
           fetch_refill<T, kFp8>(p, pt, j + T::kStages - 1, next_entry, kc, sm, tid);
         } else {
-          kr = key_row<T>(p, pt, j + T::kStages - 1, sm, tid);
-          copy_part<T, 0>(kr);
-          load_tile_extras<T>(p, pt, j + T::kStages - 1, sm, tid);
+          load_tile<T>(p, pt, j + T::kStages - 1, sm, tid);
         }
       }
-      if constexpr (kRegs || T::kLoadParts == 1) copy_commit();
+      copy_commit();
+    } else if constexpr (kCopyNext) {
+      if (j + 1 < ntiles) load_tile<T>(p, pt, j + 1, sm, tid);
+      copy_commit();
     }
 
     if constexpr (!T::kHeadRope && !kF16) {  // (bf16 only; the host refuses it with fp16)
@@ -916,31 +904,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
     // (register path: tile j's per-head rope scores, copied at B of tile j - kStages or before the loop, landed)
     if constexpr (kRegs && kTwo) copy_wait<T::kStages - 1>();
     sync_threads_lds();  // A
-    if constexpr (kTwo) {
-      if (refill) {
-        if constexpr (kRegs) {
-          store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
-        } else {
-          kr = key_row<T>(p, pt, j + T::kStages - 1, sm, tid);
-          copy_part<T, 0>(kr);
-          if constexpr (T::kLoadParts == 3) copy_part<T, 1>(kr);
-          load_tile_extras<T>(p, pt, j + T::kStages - 1, sm, tid);
-        }
-      }
-      if constexpr (!kRegs && T::kLoadParts == 1) copy_commit();
-    } else if constexpr (!kRegs && T::kLoadParts == 3) {
-      if (refill) copy_part<T, 1>(kr);
+    if constexpr (kTwo && kRegs) {
+      if (refill) store_keys<T, kFp8>(p, sm, j + T::kStages - 1, kc, tid);
     }
     softmax<T, kF16>(sm.s, sm.rs + slot * T::kM * T::kRsLd, p.scale_log2, key0, limit, st, sm.p, sm.row, tid);
-    // (cp.async: tile j + 1 landed; the committed groups after it are tiles j + 2 .. j + kStages - 2, and j +
-    // kStages - 1 when copied in one part)
-    if constexpr (kTwo && !kRegs) copy_wait<T::kStages - (T::kLoadParts == 3 ? 3 : 2)>();
+    if constexpr (kCopyNext) copy_wait<0>();  // (tile j + 1 landed: the last group committed)
     sync_threads_lds();  // B
     if constexpr (kTwo && kRegs) {
       if (j + T::kStages < ntiles) fetch_refill<T, kFp8>(p, pt, j + T::kStages, next_entry, kc, sm, tid);
-      copy_commit();
-    } else if constexpr (!kRegs && T::kLoadParts == 3) {
-      if (refill) copy_part<T, 2>(kr);
       copy_commit();
     }
     pv<T, kF16>(o, sm.p, sm.row, kt, warp, lane);
