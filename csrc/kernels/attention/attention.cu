@@ -474,8 +474,9 @@ MLA_DEVICE int key_off(int r, int c) {
 
 // rot(x, t) = x cos + cat(-x2, x1) sin on the tile's rope columns in shared
 // memory, every product and sum rounded to bf16 (the task's semantics). Each
-// thread takes 4 adjacent pairs of a row (8-byte accesses; one pair per
-// thread measured 10% slower on the whole kernel: docs/portable.md).
+// thread takes 4 adjacent pairs of a row with 8-byte accesses: one round at
+// the NVIDIA 64-row tile, where one pair per thread took four, each a chain of
+// loads, roundings and stores between the tile's barriers (docs/portable.md).
 template <typename T>
 MLA_DEVICE void rope_tile(bf16_t* kt, const bf16_t* cs_tile, int key0, int L, int tid) {
   constexpr int kHalf = T::kRope / 2, kItems = kHalf / 4;  // items per row
@@ -846,8 +847,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   // waited for before B: the copies' issue lies in front of the scores, off the softmax's path between A and B
   // (with 2 tiles, the slot is not free until A(j), and the memory's latency would lie exposed before B(j)).
   // With three (NVIDIA's 2-tile rings: 16 and 32 rows), a barrier at the top of the tile (tile j landed, the
-  // slot of tile j - 1 free), A and B; the refill (tile j + 1) is copied, or loaded into registers, at the top
-  // and stored after P V. AMD's register path takes two at every ring; on NVIDIA the fp8 register path keeps
+  // slot of tile j - 1 free), A and B; the refill (tile j + 1) is copied at the top, or (register path) loaded
+  // into registers at the top and stored after P V. AMD's register path takes two at every ring; on NVIDIA the fp8 register path keeps
   // three at 2-tile rings, where two measured slower (docs/portable.md).
   constexpr bool kTwo = kRegLoads || T::kStages >= 3;
   constexpr bool kCopyNext = kTwo && !kRegs;  // (cp.async, two barriers: tile j + 1 copied at the top of tile j)
