@@ -848,8 +848,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   // (with 2 tiles, the slot is not free until A(j), and the memory's latency would lie exposed before B(j)).
   // With three (NVIDIA's 2-tile rings: 16 and 32 rows), a barrier at the top of the tile (tile j landed, the
   // slot of tile j - 1 free), A and B; the refill (tile j + 1) is copied at the top, or (register path) loaded
-  // into registers at the top and stored after P V. AMD's register path takes two at every ring; on NVIDIA the fp8 register path keeps
-  // three at 2-tile rings, where two measured slower (docs/portable.md).
+  // into registers at the top and stored after P V. AMD's register path takes two at every ring; on NVIDIA the
+  // fp8 register path keeps three at 2-tile rings, where two measured slower (docs/portable.md).
   constexpr bool kTwo = kRegLoads || T::kStages >= 3;
   constexpr bool kCopyNext = kTwo && !kRegs;  // (cp.async, two barriers: tile j + 1 copied at the top of tile j)
   KeyChunks<T, kFp8> kc_next;  // register path, two barriers: a refill's chunks from one tile to the next
