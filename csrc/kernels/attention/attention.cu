@@ -609,7 +609,7 @@ MLA_DEVICE void scores(const mma::FragA (&qf)[T::kSMT][T::kSKS], const bf16_t* k
   }
 }
 
-// The running max (log2 domain, scaled) and sum of one row.
+// A softmax thread's row: its reference max (log2 domain, scaled) and the sum of P over the thread's own keys.
 struct RowState {
   float m, l;
 };
@@ -679,12 +679,17 @@ MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2
     v[c] = key0 + sm_key<T>(part, c) < limit ? v[c] * scale_log2 : neg_inf();
     mx = fmaxf(mx, v[c]);
   }
+  // Where no lane's keys exceed its row's reference by more than kPortableLazyMax, no row of the warp moves
+  // it (alpha 1) and the row maxima are not needed: the usual case after a row's first tile. (-inf - -inf is
+  // NaN, which fails the test: a row that has seen only masked keys takes the exchange and keeps -inf.)
+  float m_new = st.m, alpha = 1.f;
+  if (!warp_all(mx - st.m <= kPortableLazyMax)) {
 #pragma unroll
-  for (int off = 1; off < T::kSmLanes; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
-  // (-inf - -inf is NaN, so a row that has seen only masked keys keeps -inf)
-  const float m_new = mx - st.m > kPortableLazyMax ? mx : st.m;
+    for (int off = 1; off < T::kSmLanes; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
+    m_new = mx - st.m > kPortableLazyMax ? mx : st.m;
+    alpha = fast_exp2(st.m - (m_new == neg_inf() ? 0.f : m_new));
+  }
   const float m_use = m_new == neg_inf() ? 0.f : m_new;
-  const float alpha = fast_exp2(st.m - m_use);
   uint32_t w[T::kSmCols / 2];
   float sum = 0.f;
 #pragma unroll
@@ -705,9 +710,7 @@ MLA_DEVICE void softmax(const float* s_s, const float* rs_tile, float scale_log2
 #pragma unroll
     for (int c = 0; c < T::kSmCols / 2; ++c) dst[c] = w[c];
   }
-#pragma unroll
-  for (int off = 1; off < T::kSmLanes; off <<= 1) sum += shfl_xor(sum, off);
-  st.l = st.l * alpha + sum;
+  st.l = st.l * alpha + sum;  // (this thread's keys only: the row's lanes add theirs after the last tile)
   st.m = m_new;
   if (part == 0) row_s[r] = alpha;
 }
@@ -942,7 +945,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) attention_kernel(c
   copy_wait<0>();
   sync_threads_lds();  // (the last P V read the rescale factors)
 
-  // per row: 1 / sum for the writers, the LSE to memory
+  // per row: the sum over the row's lanes, 1 / sum for the writers, the LSE to memory
+#pragma unroll
+  for (int off = 1; off < T::kSmLanes; off <<= 1) st.l += shfl_xor(st.l, off);
   if (tid % T::kSmLanes == 0) {
     constexpr float kLn2 = 0.69314718055994531f;
     const float lse = st.l > 0.f ? (st.m + fast_log2(st.l)) * kLn2 : neg_inf();
