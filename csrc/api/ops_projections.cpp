@@ -83,24 +83,37 @@ RopeAppendParams rope_append_params(const at::Tensor* q_pe, const at::Tensor& q_
   p.o_h_stride = q_out.stride(1);
   p.kv_new = reinterpret_cast<const bf16_t*>(kv_new.data_ptr());
   p.kv_b_stride = kv_new.stride(0);
-  p.cache = reinterpret_cast<bf16_t*>(cache.data_ptr());
-  p.c_b_stride = cache.stride(0);
-  p.c_row_stride = cache.stride(1);
   p.kpe_out = kpe_out.has_value() ? reinterpret_cast<bf16_t*>(kpe_out->data_ptr()) : nullptr;
   p.k_b_stride = kpe_out.has_value() ? kpe_out->stride(0) : 0;
   p.k_row_stride = kpe_out.has_value() ? kpe_out->stride(1) : 0;
   p.seqlens = seqlens.data_ptr<int32_t>();
-  p.rope_cs = reinterpret_cast<const bf16_t*>(rope_cs.data_ptr());
   p.bs = static_cast<int>(bs);
   p.heads = static_cast<int>(heads);
   p.rope = static_cast<int>(rope);
-  p.width = static_cast<int>(width);
-  p.max_len = static_cast<int>(cache.size(1));
-  p.positions = static_cast<int>(std::min<int64_t>(rope_cs.size(0), INT32_MAX));
+  set_append_target(p, cache, rope_cs);
   return p;
 }
 
 }  // namespace
+
+void set_append_target(RopeAppendParams& p, const at::Tensor& cache, const at::Tensor& rope_cs) {
+  p.cache = reinterpret_cast<bf16_t*>(cache.data_ptr());
+  p.c_b_stride = cache.stride(0);
+  p.c_row_stride = cache.stride(1);
+  p.width = static_cast<int>(cache.size(2));
+  p.max_len = static_cast<int>(cache.size(1));
+  p.rope_cs = reinterpret_cast<const bf16_t*>(rope_cs.data_ptr());
+  p.positions = static_cast<int>(std::min<int64_t>(rope_cs.size(0), INT32_MAX));
+}
+
+QueryParams query_params(const QueryOperands& op, const RopeAppendParams& ra, const PlanParams& plan, bool pdl) {
+  QueryParams p{};
+  static_cast<QueryOperands&>(p) = op;
+  p.ra = ra;
+  p.plan = plan;
+  p.pdl = pdl;
+  return p;
+}
 
 void rope_append(const at::Tensor& q_pe, const at::Tensor& kv_new, const at::Tensor& seqlens,
                  const at::Tensor& rope_cs, at::Tensor& q_out, at::Tensor& cache,
@@ -128,6 +141,19 @@ Mat as_mat(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+GemmSeg gemm_seg(const at::Tensor& w, const char* name, bf16_t* y, int64_t y_row_stride, int64_t y_batch_stride) {
+  const Mat mw = as_mat(w, name);
+  GemmSeg s{};
+  s.w = reinterpret_cast<const bf16_t*>(w.data_ptr());
+  s.w_row_stride = mw.rs;
+  s.w_batch_stride = mw.bs;
+  s.n = static_cast<int>(mw.rows);
+  s.y = y;
+  s.y_row_stride = y_row_stride;
+  s.y_batch_stride = y_batch_stride;
+  return s;
+}
 
 GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& y0,
                        const c10::optional<at::Tensor>& w1, const c10::optional<at::Tensor>& y1,
@@ -165,11 +191,7 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
       fail_value(std::string(wn) + " must be [n, k] (or [batch, n, k] with x's batch) with x's k = " + num(mx.cols) +
                  ", got " + shape_str(w) + " for x " + shape_str(x));
     GemmSeg& s = p.seg[i];
-    s.w = reinterpret_cast<const bf16_t*>(w.data_ptr());
-    s.w_row_stride = mw.rs;
-    s.w_batch_stride = mw.bs;
-    s.n = static_cast<int>(mw.rows);
-    s.y = reinterpret_cast<bf16_t*>(y.data_ptr());
+    s = gemm_seg(w, wn, reinterpret_cast<bf16_t*>(y.data_ptr()), 0, 0);  // (y's strides below)
     if (i == 1 && row_pos1.has_value()) {
       const at::Tensor& rp = *row_pos1;
       check_device(rp, "row_pos1", dev);
@@ -258,35 +280,34 @@ QueryParams query_params(const at::Tensor& q_lora, const at::Tensor& w_qu, const
   check_shape(q_pe, "q_pe", {m, heads, rope}, "[m, heads, rope]");
   if (m > INT32_MAX || k > INT32_MAX || heads > INT32_MAX || r > INT32_MAX)
     fail_value("query_fused: sizes overflow int32");
-  QueryParams p{};
-  p.q_lora = reinterpret_cast<const bf16_t*>(q_lora.data_ptr());
-  p.q_lora_stride = q_lora.stride(0);
-  p.w_qu = reinterpret_cast<const bf16_t*>(w_qu.data_ptr());
-  p.w_qu_stride = w_qu.stride(0);
-  p.w_uk = reinterpret_cast<const bf16_t*>(w_uk.data_ptr());
-  p.w_uk_row_stride = w_uk.stride(1);
-  p.w_uk_head_stride = w_uk.stride(0);
-  p.q_abs = reinterpret_cast<bf16_t*>(q_abs.data_ptr());
-  p.qa_head_stride = q_abs.stride(0);
-  p.qa_row_stride = q_abs.stride(1);
-  p.q_pe = reinterpret_cast<bf16_t*>(q_pe.data_ptr());
-  p.qp_row_stride = q_pe.stride(0);
-  p.qp_head_stride = q_pe.stride(1);
-  p.m = static_cast<int>(m);
-  p.k = static_cast<int>(k);
-  p.heads = static_cast<int>(heads);
-  p.nope = static_cast<int>(nope);
-  p.rope = static_cast<int>(rope);
-  p.r = static_cast<int>(r);
-  p.pdl = pdl;
+  RopeAppendParams ra{};  // (none: ra.seqlens null)
   if (kv_new.has_value() || seqlens.has_value() || rope_cs.has_value() || cache.has_value() || kpe_out.has_value()) {
     if (!kv_new.has_value() || !seqlens.has_value() || !rope_cs.has_value() || !cache.has_value())
       fail_value("query_fused: the append takes kv_new, seqlens, rope_cs and cache together (kpe_out optional)");
-    p.ra = rope_append_params(nullptr, q_pe, *kv_new, *seqlens, *rope_cs, *cache, kpe_out);
-    if (reinterpret_cast<uintptr_t>(p.ra.rope_cs) % 4 != 0)
+    ra = rope_append_params(nullptr, q_pe, *kv_new, *seqlens, *rope_cs, *cache, kpe_out);
+    if (reinterpret_cast<uintptr_t>(ra.rope_cs) % 4 != 0)
       fail_value("query_fused: rope_cs needs a 4-byte aligned base");
   }
-  return p;
+  const QueryOperands op{.q_lora = reinterpret_cast<const bf16_t*>(q_lora.data_ptr()),
+                         .q_lora_stride = q_lora.stride(0),
+                         .w_qu = reinterpret_cast<const bf16_t*>(w_qu.data_ptr()),
+                         .w_qu_stride = w_qu.stride(0),
+                         .w_uk = reinterpret_cast<const bf16_t*>(w_uk.data_ptr()),
+                         .w_uk_row_stride = w_uk.stride(1),
+                         .w_uk_head_stride = w_uk.stride(0),
+                         .q_abs = reinterpret_cast<bf16_t*>(q_abs.data_ptr()),
+                         .qa_head_stride = q_abs.stride(0),
+                         .qa_row_stride = q_abs.stride(1),
+                         .q_pe = reinterpret_cast<bf16_t*>(q_pe.data_ptr()),
+                         .qp_row_stride = q_pe.stride(0),
+                         .qp_head_stride = q_pe.stride(1),
+                         .m = static_cast<int>(m),
+                         .k = static_cast<int>(k),
+                         .heads = static_cast<int>(heads),
+                         .nope = static_cast<int>(nope),
+                         .rope = static_cast<int>(rope),
+                         .r = static_cast<int>(r)};
+  return query_params(op, ra, PlanParams{}, pdl);
 }
 
 void query_fused(const at::Tensor& q_lora, const at::Tensor& w_qu, const at::Tensor& w_uk, at::Tensor& q_abs,

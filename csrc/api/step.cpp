@@ -296,51 +296,42 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
 
   // the fused query's parameters, made before any launch: whether it takes
   // the call decides who makes the attention's lengths and plan
-  QueryParams qp{};
-  qp.q_lora = q_lora_p;
-  qp.q_lora_stride = q_lora;
-  qp.w_qu = ptr_of<const bf16_t>(w_qu);
-  qp.w_qu_stride = q_lora;
-  qp.w_uk = ptr_of<const bf16_t>(w_kvu);  // W_UK[h] = w_kvu rows h * (nope + v) ... + nope
-  qp.w_uk_row_stride = r;
-  qp.w_uk_head_stride = (nope + v) * r;
-  qp.q_abs = ptr_of<bf16_t>(ws, sh.s_q);
-  qp.qa_head_stride = bs * d;
-  qp.qa_row_stride = d;
-  qp.q_pe = ptr_of<bf16_t>(ws, sh.s_q + r * 2);
-  qp.qp_row_stride = d;
-  qp.qp_head_stride = bs * d;
-  qp.m = static_cast<int>(bs);
-  qp.k = static_cast<int>(q_lora);
-  qp.heads = static_cast<int>(H);
-  qp.nope = static_cast<int>(nope);
-  qp.rope = static_cast<int>(rope);
-  qp.r = static_cast<int>(r);
-  qp.pdl = true;
-  RopeAppendParams& ra = qp.ra;  // the append (q_pe rotated as it is stored: ra's q_pe / q_out unused)
-  ra.q_out = qp.q_pe;
-  ra.o_b_stride = d;
-  ra.o_h_stride = bs * d;
+  RopeAppendParams ra{};  // the append (q_pe rotated as it is stored: ra's q_pe / q_out unused)
   ra.kv_new = kv_new_p;
   ra.kv_b_stride = d;
-  ra.cache = ptr_of<bf16_t>(cache);
-  ra.c_b_stride = cache.stride(0);
-  ra.c_row_stride = cache.stride(1);
   ra.seqlens = pp.seqlens;
-  ra.rope_cs = ptr_of<const bf16_t>(rope_cs);
   ra.bs = static_cast<int>(bs);
   ra.heads = static_cast<int>(H);
   ra.rope = static_cast<int>(rope);
-  ra.width = static_cast<int>(d);
-  ra.max_len = static_cast<int>(max_len);
-  ra.positions = static_cast<int>(std::min<int64_t>(rope_cs.size(0), INT32_MAX));
+  set_append_target(ra, cache, rope_cs);
   // A batch that is not split, at a length known here (not a captured
   // step's, which the planner reads and advances on the device): the fused
   // query writes the lengths and the one-part-per-sequence plan itself, so no
   // planner launch comes before the down GEMM (a launch less on the host's
   // path to the attention in every fresh-input call)
   const bool plan_wished = (want & kStepQueryFused) && !sh.split && len_slot == nullptr;
-  if (plan_wished) qp.plan = pp;
+  // (the query's [H, bs, d] rows: q_abs the first r columns, q_pe the rope columns after them; W_UK[h] = w_kvu
+  // rows h * (nope + v) ... + nope)
+  const QueryParams qp = query_params({.q_lora = q_lora_p,
+                                       .q_lora_stride = q_lora,
+                                       .w_qu = ptr_of<const bf16_t>(w_qu),
+                                       .w_qu_stride = q_lora,
+                                       .w_uk = ptr_of<const bf16_t>(w_kvu),
+                                       .w_uk_row_stride = r,
+                                       .w_uk_head_stride = (nope + v) * r,
+                                       .q_abs = ptr_of<bf16_t>(ws, sh.s_q),
+                                       .qa_head_stride = bs * d,
+                                       .qa_row_stride = d,
+                                       .q_pe = ptr_of<bf16_t>(ws, sh.s_q + r * 2),
+                                       .qp_row_stride = d,
+                                       .qp_head_stride = bs * d,
+                                       .m = static_cast<int>(bs),
+                                       .k = static_cast<int>(q_lora),
+                                       .heads = static_cast<int>(H),
+                                       .nope = static_cast<int>(nope),
+                                       .rope = static_cast<int>(rope),
+                                       .r = static_cast<int>(r)},
+                                      ra, plan_wished ? pp : PlanParams{}, true);
   const bool query_ok = (want & kStepQueryFused) && query_sm90_check(qp) == nullptr;
   const bool plan_in_query = plan_wished && query_ok;
   if (!plan_in_query) {
@@ -361,16 +352,8 @@ StepOut enqueue_step(const at::Tensor& x, const at::Tensor& w_qd, const at::Tens
     p.batch = 1;
     p.nseg = 2;
     p.pdl = !plan_in_query;  // (as the step's first kernel it waits for all before it)
-    p.seg[0].w = ptr_of<const bf16_t>(w_qd);
-    p.seg[0].w_row_stride = dim;
-    p.seg[0].n = static_cast<int>(q_lora);
-    p.seg[0].y = q_lora_p;
-    p.seg[0].y_row_stride = q_lora;
-    p.seg[1].w = ptr_of<const bf16_t>(w_kvd);
-    p.seg[1].w_row_stride = dim;
-    p.seg[1].n = static_cast<int>(d);
-    p.seg[1].y = kv_new_p;
-    p.seg[1].y_row_stride = d;
+    p.seg[0] = gemm_seg(w_qd, "w_qd", q_lora_p, q_lora, 0);
+    p.seg[1] = gemm_seg(w_kvd, "w_kvd", kv_new_p, d, 0);
     p.ws = ptr_of<float>(ws, sh.s_down);
     p.ws_bytes = sh.down.ws_bytes;
     if (gemm_sm90_aligned(p) == nullptr) {  // (the configuration for these sizes is sh.down)

@@ -23,7 +23,9 @@
 
 namespace mla {
 
-struct QueryParams {
+// The operands by name: pointers, element strides and sizes. The op names them from its tensors, the decode step
+// from its workspace and weights (QueryParams adds the append, the plan and the launch mode).
+struct QueryOperands {
   const bf16_t* q_lora;  // [m, k], unit last stride
   int64_t q_lora_stride;
   const bf16_t* w_qu;    // [heads * (nope + rope), k], unit last stride
@@ -35,6 +37,9 @@ struct QueryParams {
   bf16_t* q_pe;          // [m, heads, rope], unit last stride
   int64_t qp_row_stride, qp_head_stride;
   int m, k, heads, nope, rope, r;
+};
+
+struct QueryParams : QueryOperands {
   RopeAppendParams ra;  // append when ra.seqlens != nullptr (its q_pe and q_out fields unused: q_pe above is written)
   // With append, plan.plan != nullptr: every sequence's length is plan.fill_len (positions plan.fill_len - 1;
   // ra.seqlens is not read), and block 0 writes the lengths to plan.fill_lens and the attention's plan for
