@@ -437,22 +437,25 @@ def test_kpe_checks():
         mla_attention(q, kv, seqlens, 0.1, kpe=kpe.float())
 
 
-def test_row_max_jumps_late():
-    """The Hopper kernel, and the portable one on AMD, move a row's softmax
-    reference lazily (only when a tile's max exceeds it by more than 8 log2
-    units); the portable one on NVIDIA exactly: keys late in a sequence whose
-    scores jump far above the earlier ones (head 0: by about 29 log2 units
-    each, and once by about 3: kept under the old reference, P up to 2^3),
-    at positions in different tiles, halves and splits; against float64."""
+@pytest.mark.parametrize("heads", [(0, 0, 0, 0), (0, 37, 101, 6)])
+def test_row_max_jumps_late(heads):
+    """Both kernels move a row's softmax reference lazily (only when a tile's
+    max exceeds it by more than 8 log2 units; the portable one skips the
+    exchange of row maxima when a warp vote says no row moves): keys late in
+    a sequence whose scores jump far above the earlier ones for one head
+    each (by about 29 log2 units each, and once by about 3: kept under the
+    old reference, P up to 2^3), at positions in different tiles, halves
+    and splits; one head throughout, or a different head (row, warp, block)
+    at each jump; against float64."""
     lens = [1500, 777, 4100]
     q, kv, seqlens = make_case(lens, max_seq=4103, seed=13)
     for b, L in enumerate(lens):
-        for pos, alpha in [(L // 5, 0.5), (L // 2, 1.0), (L // 2 + 70, 1.05), (L - 2, 1.5)]:
-            kv[b, pos] = (alpha * q[b, 0, 0].float()).to(torch.bfloat16)
+        for h, (pos, alpha) in zip(heads, [(L // 5, 0.5), (L // 2, 1.0), (L // 2 + 70, 1.05), (L - 2, 1.5)]):
+            kv[b, pos] = (alpha * q[b, 0, h].float()).to(torch.bfloat16)
     out, lse = poisoned_out(q)
     mla_attention(q, kv, seqlens, 0.07, out=out, lse=lse)
     ro, rl = attention_reference(q, kv, seqlens, 0.07)
-    check(out, lse, ro, rl, "late row-max jumps")
+    check(out, lse, ro, rl, f"late row-max jumps, heads {heads}")
 
 
 @pytest.mark.parametrize("lens", [[1, 65, 777], [4097, 2049], [0, 64, 513]])
