@@ -443,10 +443,10 @@ def test_row_max_jumps_late(heads):
     max exceeds it by more than 8 log2 units; the portable one skips the
     exchange of row maxima when a warp vote says no row moves): keys late in
     a sequence whose scores jump far above the earlier ones for one head
-    each (by about 29 log2 units each, and once by about 3: kept under the
-    old reference, P up to 2^3), at positions in different tiles, halves
-    and splits; one head throughout, or a different head (row, warp, block)
-    at each jump; against float64."""
+    each (by about 29 log2 units), at positions in different tiles, halves
+    and splits: one head throughout (its third jump only about 3 above its
+    second: kept under the old reference, P up to 2^3), or a different head
+    (row, warp, block) at each jump; against float64."""
     lens = [1500, 777, 4100]
     q, kv, seqlens = make_case(lens, max_seq=4103, seed=13)
     for b, L in enumerate(lens):
