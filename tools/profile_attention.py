@@ -1,7 +1,7 @@
-"""A few attention calls at bs=128, H=128 for a profiler (ncu) to pick from.
+"""A few attention calls at bs=128, H=128 (or --bs, --heads) for a profiler (ncu) to pick from.
 
     ncu --clock-control none -k regex:attention --launch-skip 2 --launch-count 1 \
-        python3 tools/profile_attention.py 4097 [rope] [--plan-once] [--paged] [--heads=H]
+        python3 tools/profile_attention.py 4097 [rope] [--plan-once] [--paged] [--heads=H] [--bs=N]
     ncu --clock-control none -k regex:flash_fwd_splitkv --launch-skip 2 --launch-count 1 \
         python3 tools/profile_attention.py 4097 --flashmla
 
@@ -22,7 +22,7 @@ import mla_decode
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 L = int(args[0]) if args else 4097
 rope = len(args) > 1 and args[1] == "rope"
-bs = 128
+bs = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--bs=")), 128)
 H = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--heads=")), 128)
 Lp = (L + 63) // 64 * 64
 torch.manual_seed(0)

@@ -10,26 +10,37 @@
 namespace mla {
 namespace {
 
-// A task is one (sequence, query row, chunk of kV x warp-size columns): the
-// warp takes the row's LSE over its splits a warp's width of splits at a
-// time, then adds kCombineUnroll splits' partial chunks per step, all their
-// loads in flight at once (a load waits on no weight: each lane reads the
-// split's LSE itself, beside the partial). At bs 1 the warps of a row's
-// chunks spread the merge over the GPU. Up to p.max_warps tasks, a warp per
-// task (a block per sequence and kCombineWarps tasks); beyond, p.max_warps
-// warps, each a contiguous run of tasks that skips a sequence that was not
-// split (written by the attention) with one read, so that a large batch with
-// nothing to merge costs a wave of warps, not a block per four rows. (The
-// looped form is slower where a warp per task fits: docs/not_kept.md.)
+// A task is one (sequence, query row, group of kG chunks of kV x warp-size
+// columns): kG is the row's whole width (a warp per row) where the batch has
+// rows enough to keep the loads in flight over the GPU, else one chunk (the
+// row's chunks on separate warps: a few long rows, many splits). The warp
+// issues its first kU splits' loads (partial and LSE: they wait on no
+// weight) together with the LSE maximum's, keeps lane s's LSE in a register
+// for the maximum and the sum, and adds kU splits per step, all their loads
+// in flight: a row of up to kU splits is one round trip to memory. Up to
+// p.max_warps tasks, a warp per task (a block per sequence and kCombineWarps
+// tasks); beyond, p.max_warps warps, each a contiguous run of tasks that
+// skips a sequence that was not split (written by the attention) with one
+// read, so that a large batch with nothing to merge costs a wave of warps,
+// not a block per four rows. (The looped form is slower where a warp per
+// task fits: docs/not_kept.md.)
 constexpr int kCombineWarps = 4;
-constexpr int kCombineUnroll = 8;
+constexpr int kCombineUnroll = 8;  // splits per step at most
+// Partial floats per lane in flight per step for a whole row; half that for
+// a chunk (more warps: the registers for them).
+constexpr int kCombineLoadFloats = 64;
 
-template <int kDv>
+template <int kDv, bool kWholeRow>
 struct CombineShape {
-  static constexpr int kV = kDv / kWarpSize < 4 ? kDv / kWarpSize : 4;  // floats per lane: 16 bytes at most
-  static constexpr int kCols = kV * kWarpSize;
+  static constexpr int kV = kDv / kWarpSize < 4 ? kDv / kWarpSize : 4;  // floats per lane and chunk: 16 bytes at most
+  static constexpr int kCols = kV * kWarpSize;                           // a chunk's columns
   static constexpr int kChunks = kDv / kCols;
+  static constexpr int kG = kWholeRow ? kChunks : 1;  // chunks per task
+  static constexpr int kTasksPerRow = kChunks / kG;
+  static constexpr int kLoads = (kWholeRow ? kCombineLoadFloats : kCombineLoadFloats / 2) / (kG * kV);
+  static constexpr int kU = kLoads < kCombineUnroll ? kLoads : kCombineUnroll;  // splits per step
   static_assert(kV >= 1 && kDv % kCols == 0, "Dv must be a whole number of warp-wide chunks");
+  static_assert(kU >= 1, "a step holds one split's group at least");
 };
 
 template <int kV>
@@ -57,22 +68,43 @@ MLA_DEVICE void store_halves(bf16_t* dst, const float (&x)[kV]) {
   }
 }
 
-template <int kDv, bool kF16>
+// Splits s0 .. s0 + kU - 1 of the task's chunks, those below n: partials
+// into x, LSEs into l (-inf past n).
+template <class C>
+MLA_DEVICE void load_step(const float* src, const float* lse_r, int64_t ostride, int64_t lstride, int s0, int n,
+                          float (&x)[C::kU][C::kG][C::kV], float (&l)[C::kU]) {
+#pragma unroll
+  for (int u = 0; u < C::kU; ++u) {
+    const int s = s0 + u;
+    l[u] = neg_inf();
+    if (s < n) {
+      l[u] = lse_r[s * lstride];
+#pragma unroll
+      for (int g = 0; g < C::kG; ++g) load_floats<C::kV>(src + s * ostride + g * C::kCols, x[u][g]);
+    }
+  }
+}
+
+template <int kDv, bool kF16, bool kWholeRow>
 MLA_DEVICE void combine_row(const CombineParams& p, int b, int n, int first, int r, int col, int lane) {
-  using C = CombineShape<kDv>;
+  using C = CombineShape<kDv, kWholeRow>;
   const int64_t lstride = p.rows;                              // split s's LSE: lse_r[s * lstride]
   const int64_t ostride = static_cast<int64_t>(p.rows) * kDv;  // split s's chunk: src[s * ostride]
   const float* lse_r = p.lse_part + static_cast<int64_t>(first) * p.rows + r;
   const float* src = p.o_part + (static_cast<int64_t>(first) * p.rows + r) * kDv + col;
+  constexpr float kLog2e = 1.4426950408889634f;
 
+  float x[C::kU][C::kG][C::kV], l[C::kU];
+  if constexpr (kWholeRow) load_step<C>(src, lse_r, ostride, lstride, 0, n, x, l);
   float mx = neg_inf();
   for (int s = lane; s < n; s += kWarpSize) mx = fmaxf(mx, lse_r[s * lstride]);
 #pragma unroll
   for (int off = 1; off < kWarpSize; off <<= 1) mx = fmaxf(mx, shfl_xor(mx, off));
-  float acc[C::kV];
+  float acc[C::kG][C::kV];
 #pragma unroll
-  for (int k = 0; k < C::kV; ++k) acc[k] = 0.f;
-  constexpr float kLog2e = 1.4426950408889634f;
+  for (int g = 0; g < C::kG; ++g)
+#pragma unroll
+    for (int k = 0; k < C::kV; ++k) acc[g][k] = 0.f;
   float lse = neg_inf();
   if (mx != neg_inf()) {
     float sum = 0.f;
@@ -80,25 +112,22 @@ MLA_DEVICE void combine_row(const CombineParams& p, int b, int n, int first, int
 #pragma unroll
     for (int off = 1; off < kWarpSize; off <<= 1) sum += shfl_xor(sum, off);
     lse = mx + fast_log2(sum) / kLog2e;
-    for (int s0 = 0; s0 < n; s0 += kCombineUnroll) {
-      float x[kCombineUnroll][C::kV], l[kCombineUnroll];
+    for (int s0 = 0; s0 < n; s0 += C::kU) {
+      if (!kWholeRow || s0 > 0) load_step<C>(src, lse_r, ostride, lstride, s0, n, x, l);
 #pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
-        l[u] = neg_inf();
-        if (s0 + u < n) {
-          l[u] = lse_r[(s0 + u) * lstride];
-          load_floats<C::kV>(src + (s0 + u) * ostride, x[u]);
-        }
-      }
+      for (int u = 0; u < C::kU; ++u) {
+        const float w = fast_exp2((l[u] - lse) * kLog2e);  // (0 past n)
 #pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
-        const float w = fast_exp2((l[u] - lse) * kLog2e);
+        for (int g = 0; g < C::kG; ++g)
 #pragma unroll
-        for (int k = 0; k < C::kV; ++k) acc[k] += w == 0.f ? 0.f : w * x[u][k];  // an empty split's partial is never used
+          for (int k = 0; k < C::kV; ++k)
+            acc[g][k] += w == 0.f ? 0.f : w * x[u][g][k];  // an empty split's partial is never used
       }
     }
   }
-  store_halves<C::kV, kF16>(p.o + (static_cast<int64_t>(b) * p.rows + r) * kDv + col, acc);
+  bf16_t* dst = p.o + (static_cast<int64_t>(b) * p.rows + r) * kDv + col;
+#pragma unroll
+  for (int g = 0; g < C::kG; ++g) store_halves<C::kV, kF16>(dst + g * C::kCols, acc[g]);
   if (col == 0) {
     const int i = r / p.h_q, h = r % p.h_q;
     p.lse[(static_cast<int64_t>(b) * p.h_q + h) * p.s_q + i] = lse;
@@ -125,22 +154,25 @@ MLA_DEVICE int splits_of(const CombineParams& p, int b) {
 // attention's blocks free their SMs, not after its last one. Block 0 always
 // waits, so that this grid completes after the attention grid: the kernels
 // after the call (a dependent one too) find its output written.
-template <int kDv, bool kF16, bool kRuns>
+template <int kDv, bool kF16, bool kRuns, bool kWholeRow>
 __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const CombineParams p) {
-  using C = CombineShape<kDv>;
+  using C = CombineShape<kDv, kWholeRow>;
   const int warp = thread_x() / kWarpSize, lane = thread_x() % kWarpSize;
+  const auto merge = [&](int b, int n, int task) {
+    combine_row<kDv, kF16, kWholeRow>(p, b, n, p.seq_info[2 * b + 1], task / C::kTasksPerRow,
+                                      (task % C::kTasksPerRow) * C::kG * C::kCols + lane * C::kV, lane);
+  };
   if constexpr (!kRuns) {
     const int b = block_x();
     const int n = splits_of(p, b);
     const int task = block_y() * kCombineWarps + warp;
-    if (!(p.skip_single_split && n == 1) && task < p.rows * C::kChunks) {
+    if (!(p.skip_single_split && n == 1) && task < p.rows * C::kTasksPerRow) {
       pdl_wait();  // (the attention kernel's partials are visible from here)
-      combine_row<kDv, kF16>(p, b, n, p.seq_info[2 * b + 1], task / C::kChunks,
-                             (task % C::kChunks) * C::kCols + lane * C::kV, lane);
+      merge(b, n, task);
     }
   } else {
     // (32-bit: launch_combine_dv refuses a batch of 2^30 tasks or more)
-    const int per_seq = p.rows * C::kChunks, tasks = per_seq * p.bs;
+    const int per_seq = p.rows * C::kTasksPerRow, tasks = per_seq * p.bs;
     const int per_warp = (tasks + p.max_warps - 1) / p.max_warps;
     const int w = block_x() * kCombineWarps + warp;
     const int end = min(tasks, (w + 1) * per_warp);
@@ -156,9 +188,7 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
         continue;
       }
       pdl_wait();  // (returns at once after the first time)
-      const int task = t - b * per_seq;
-      combine_row<kDv, kF16>(p, b, n, p.seq_info[2 * b + 1], task / C::kChunks,
-                             (task % C::kChunks) * C::kCols + lane * C::kV, lane);
+      merge(b, n, t - b * per_seq);
       ++t;
     }
   }
@@ -246,36 +276,50 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
 
 // As a programmatic dependent launch where p.pdl (NVIDIA), else a plain
 // one. The launch call's own error, or nullptr (then last_launch_error).
-template <int kDv, bool kF16, bool kRuns>
+template <int kDv, bool kF16, bool kRuns, bool kWholeRow>
 const char* launch_combine_as(dim3 grid, const CombineParams& p, stream_t stream) {
+  const auto kernel = combine_kernel<kDv, kF16, kRuns, kWholeRow>;
 #if MLA_NVIDIA
-  if (p.pdl)
-    return launch_ex(combine_kernel<kDv, kF16, kRuns>, grid, dim3(kCombineWarps * kWarpSize), 0, stream, true, dim3(1), p);
+  if (p.pdl) return launch_ex(kernel, grid, dim3(kCombineWarps * kWarpSize), 0, stream, true, dim3(1), p);
 #endif
-  combine_kernel<kDv, kF16, kRuns><<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
+  kernel<<<grid, kCombineWarps * kWarpSize, 0, stream>>>(p);
   return nullptr;
 }
 
-template <int kDv, bool kRuns>
+template <int kDv, bool kRuns, bool kWholeRow>
 const char* launch_combine_grid(dim3 grid, const CombineParams& p, stream_t stream) {
-  if (const char* e = p.f16 ? launch_combine_as<kDv, true, kRuns>(grid, p, stream)
-                            : launch_combine_as<kDv, false, kRuns>(grid, p, stream))
+  if (const char* e = p.f16 ? launch_combine_as<kDv, true, kRuns, kWholeRow>(grid, p, stream)
+                            : launch_combine_as<kDv, false, kRuns, kWholeRow>(grid, p, stream))
     return e;
   return last_launch_error();
 }
 
-template <int kDv>
-const char* launch_combine_dv(const CombineParams& p, stream_t stream) {
-  const int64_t per_seq = static_cast<int64_t>(p.rows) * CombineShape<kDv>::kChunks, tasks = per_seq * p.bs;
-  if (p.max_warps <= 0) return "launch_combine: max_warps must be positive";
+template <int kDv, bool kWholeRow>
+const char* launch_combine_tasks(const CombineParams& p, stream_t stream) {
+  const int64_t per_seq = static_cast<int64_t>(p.rows) * CombineShape<kDv, kWholeRow>::kTasksPerRow;
+  const int64_t tasks = per_seq * p.bs;
   if (tasks <= p.max_warps) {  // a warp per task
     const int64_t blocks = (per_seq + kCombineWarps - 1) / kCombineWarps;
     if (blocks > 65535) return "launch_combine: too many query rows per sequence (s_q * h_q)";
-    return launch_combine_grid<kDv, false>(dim3(p.bs, static_cast<unsigned>(blocks)), p, stream);
+    return launch_combine_grid<kDv, false, kWholeRow>(dim3(p.bs, static_cast<unsigned>(blocks)), p, stream);
   }
   if (tasks >= (int64_t{1} << 30)) return "launch_combine: 2^30 (sequence, row, chunk) tasks or more";
   const int64_t blocks = (static_cast<int64_t>(p.max_warps) + kCombineWarps - 1) / kCombineWarps;
-  return launch_combine_grid<kDv, true>(dim3(static_cast<unsigned>(blocks)), p, stream);
+  return launch_combine_grid<kDv, true, kWholeRow>(dim3(static_cast<unsigned>(blocks)), p, stream);
+}
+
+// A warp per whole row where a row is several chunks and a chunk per warp
+// would take more than p.max_warps warps (rows enough to fill the GPU),
+// else a warp per chunk.
+template <int kDv>
+const char* launch_combine_dv(const CombineParams& p, stream_t stream) {
+  if (p.max_warps <= 0) return "launch_combine: max_warps must be positive";
+  using C = CombineShape<kDv, false>;
+  if constexpr (C::kChunks > 1) {
+    if (static_cast<int64_t>(p.rows) * p.bs * C::kTasksPerRow > p.max_warps)
+      return launch_combine_tasks<kDv, true>(p, stream);
+  }
+  return launch_combine_tasks<kDv, false>(p, stream);
 }
 
 const char* launch_combine(const CombineParams& p, stream_t stream) {
