@@ -2,6 +2,7 @@
 evaluation on the GPU. Unused cache rows and the outputs are NaN-poisoned."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -306,11 +307,13 @@ def test_attention_bad_inputs():
     assert bool((buf == 7.0).all())
 
 
-@pytest.mark.parametrize("bs,n,dv", [(3, 5, 512), (1, 45, 512), (2, 70, 64), (2, 9, 128), (1, 33, 256)])
-def test_combine_op(bs, n, dv):
-    # n past a warp's width and not a whole number of the kernel's unrolled steps; every value width
+@pytest.mark.parametrize("bs,n,dv,h_q", [(3, 5, 512, 16), (1, 45, 512, 16), (2, 70, 64, 16), (2, 9, 128, 16),
+                                        (1, 33, 256, 16), (40, 45, 512, 64), (40, 9, 256, 64)])
+def test_combine_op(bs, n, dv, h_q):
+    # n past a warp's width and not a whole number of the kernel's unrolled steps; every value width; at
+    # bs 40, h_q 64 rows enough for a warp per whole row (on GPUs of up to 600 SMs)
     g = torch.Generator(device="cuda").manual_seed(4 + n)
-    s_q, h_q = 2, 16
+    s_q = 2
     o_part = torch.randn(bs, n, s_q, h_q, dv, device="cuda", generator=g)
     lse_part = torch.randn(bs, n, s_q, h_q, device="cuda", generator=g) * 3
     for i in {2, n - 1}:  # empty splits: their partials (NaN here) must be ignored
@@ -324,6 +327,24 @@ def test_combine_op(bs, n, dv):
     assert rel_err(out, ref_o) < 5e-3
     assert (lse.double() - ref_lse.permute(0, 2, 1)).abs().max().item() < 1e-4
     assert lse.shape == (bs, h_q, s_q) and out.shape == (bs, s_q, h_q, dv)
+
+
+@pytest.mark.parametrize("h_q,bs", [(32, 160), (64, 24)])
+def test_combine_whole_rows(h_q, bs):
+    """Batches with query rows enough that the attention's combine takes a
+    whole row per warp (a warp per (row, chunk) would pass a wave of warps on
+    GPUs of up to 600 SMs; at h_q 32, bs 160 more rows than a wave on up to
+    160: warps that each take a run of rows), lengths that split into several
+    parts, empty and one-key sequences, NaN tails."""
+    rng = random.Random(bs + h_q)
+    lens = [0, 1, 4096, 3000] + [rng.randrange(1, 4097) for _ in range(bs - 4)]
+    q, kv, seqlens = make_case(lens, h_q=h_q, max_seq=4096, seed=bs)
+    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, kv.shape[1])
+    assert int(plan.cpu()[2::2][:bs].max()) > 1, "no sequence was split: the combine is not exercised"
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, out=out, lse=lse, plan=plan)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07)
+    check(out, lse, ro, rl, f"whole-row combine h_q={h_q} bs={bs}")
 
 
 def test_combine_refuses_a_misaligned_partial():

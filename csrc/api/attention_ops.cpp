@@ -468,6 +468,7 @@ void enqueue_attention(const AttnCall& c) {
   cp.f16 = f16;
   cp.pdl = info.kind == AttnKernel::kHopper && sm90_pdl_enabled();
   cp.max_warps = info.sm_count * kCombineWarpsPerSm;
+  cp.wave_warps = cp.max_warps;
   check_launch(launch_combine(cp, stream), "combine launch");
 }
 

@@ -51,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor> combine(const at::Tensor& o_part, const at::T
   cp.dv = static_cast<int>(dv);
   cp.f16 = false;
   cp.max_warps = INT32_MAX;  // a warp per task: every sequence here is merged
+  cp.wave_warps = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * kCombineWarpsPerSm;
   check_launch(launch_combine(cp, at::cuda::getCurrentCUDAStream().stream()), "combine launch");
   return {out, lse};
 }

@@ -309,14 +309,14 @@ const char* launch_combine_tasks(const CombineParams& p, stream_t stream) {
 }
 
 // A warp per whole row where a row is several chunks and a chunk per warp
-// would take more than p.max_warps warps (rows enough to fill the GPU),
-// else a warp per chunk.
+// would take more than a wave of warps (rows enough to fill the GPU), else
+// a warp per chunk.
 template <int kDv>
 const char* launch_combine_dv(const CombineParams& p, stream_t stream) {
-  if (p.max_warps <= 0) return "launch_combine: max_warps must be positive";
+  if (p.max_warps <= 0 || p.wave_warps <= 0) return "launch_combine: max_warps and wave_warps must be positive";
   using C = CombineShape<kDv, false>;
   if constexpr (C::kChunks > 1) {
-    if (static_cast<int64_t>(p.rows) * p.bs * C::kTasksPerRow > p.max_warps)
+    if (static_cast<int64_t>(p.rows) * p.bs * C::kTasksPerRow > p.wave_warps)
       return launch_combine_tasks<kDv, true>(p, stream);
   }
   return launch_combine_tasks<kDv, false>(p, stream);

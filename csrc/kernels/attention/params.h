@@ -120,6 +120,8 @@ struct CombineParams {
   int bs, s_q, h_q, rows, dv;
   bool f16;                   // o is fp16 (else bf16)
   int max_warps;              // the grid's warps at most (> 0); past it each takes a run of (row, chunk) tasks
+  int wave_warps;             // a wave of the combine's warps on this GPU (SMs x kCombineWarpsPerSm, > 0): where
+                              //   a warp per (row, chunk) would take more, a warp takes a whole row
 };
 
 // Merge of N partial results of the same queries over disjoint key sets (the
