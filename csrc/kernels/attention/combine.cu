@@ -13,17 +13,18 @@ namespace {
 // A task is one (sequence, query row, group of kG chunks of kV x warp-size
 // columns): kG is the row's whole width (a warp per row) where the batch has
 // rows enough to keep the loads in flight over the GPU, else one chunk (the
-// row's chunks on separate warps: a few long rows, many splits). The warp
-// issues its first kU splits' loads (partial and LSE: they wait on no
-// weight) together with the LSE maximum's, keeps lane s's LSE in a register
-// for the maximum and the sum, and adds kU splits per step, all their loads
-// in flight: a row of up to kU splits is one round trip to memory. Up to
-// p.max_warps tasks, a warp per task (a block per sequence and kCombineWarps
-// tasks); beyond, p.max_warps warps, each a contiguous run of tasks that
-// skips a sequence that was not split (written by the attention) with one
-// read, so that a large batch with nothing to merge costs a wave of warps,
-// not a block per four rows. (The looped form is slower where a warp per
-// task fits: docs/not_kept.md.)
+// row's chunks on separate warps: a few long rows, many splits). The lanes
+// take the LSE maximum and sum a warp's width of splits at a time; the warp
+// adds kU splits per step, all their loads in flight (each lane reads a
+// split's LSE beside its partial: no load waits on a weight). A whole row
+// issues its first step's loads before the maximum's: a row of up to kU splits
+// is then one round trip to memory (at a warp per chunk the same measured
+// slower: docs/not_kept.md). Up to p.max_warps tasks, a warp per task (a block
+// per sequence and kCombineWarps tasks); beyond, p.max_warps warps, each a
+// contiguous run of tasks that skips a sequence that was not split (written by
+// the attention) with one read, so that a large batch with nothing to merge
+// costs a wave of warps, not a block per four rows. (The looped form is slower
+// where a warp per task fits: docs/not_kept.md.)
 constexpr int kCombineWarps = 4;
 constexpr int kCombineUnroll = 8;  // splits per step at most
 // Partial floats per lane in flight per step for a whole row; half that for
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(kCombineWarps* kWarpSize) combine_kernel(const
       merge(b, n, task);
     }
   } else {
-    // (32-bit: launch_combine_dv refuses a batch of 2^30 tasks or more)
+    // (32-bit: launch_combine_tasks refuses a batch of 2^30 tasks or more)
     const int per_seq = p.rows * C::kTasksPerRow, tasks = per_seq * p.bs;
     const int per_warp = (tasks + p.max_warps - 1) / p.max_warps;
     const int w = block_x() * kCombineWarps + warp;
@@ -303,7 +304,7 @@ const char* launch_combine_tasks(const CombineParams& p, stream_t stream) {
     if (blocks > 65535) return "launch_combine: too many query rows per sequence (s_q * h_q)";
     return launch_combine_grid<kDv, false, kWholeRow>(dim3(p.bs, static_cast<unsigned>(blocks)), p, stream);
   }
-  if (tasks >= (int64_t{1} << 30)) return "launch_combine: 2^30 (sequence, row, chunk) tasks or more";
+  if (tasks >= (int64_t{1} << 30)) return "launch_combine: 2^30 (sequence, row, chunks) tasks or more";
   const int64_t blocks = (static_cast<int64_t>(p.max_warps) + kCombineWarps - 1) / kCombineWarps;
   return launch_combine_grid<kDv, true, kWholeRow>(dim3(static_cast<unsigned>(blocks)), p, stream);
 }
