@@ -56,7 +56,7 @@ def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:
     require_kernels(device)
     device = torch.device(device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    return bs < module().plan_target_parts(idx, s_q, h_q)
+    return module().splits_possible(idx, bs, s_q, h_q)
 
 
 def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=None, causal=False,

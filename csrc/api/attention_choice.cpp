@@ -129,6 +129,10 @@ int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q) {
       .first;
 }
 
+bool splits_possible(int64_t device, int64_t bs, int64_t s_q, int64_t h_q) {
+  return bs < plan_target_parts(device, s_q, h_q);
+}
+
 AttentionFacts attention_info(int64_t device, int64_t dv, int64_t rope) {
   const detail::DeviceAttnInfo& i = detail::device_attn_info(static_cast<int>(device), dv, rope);
   return {.rows_per_block = i.kernel.rows_per_block,

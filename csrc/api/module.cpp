@@ -76,6 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "width rope inside the key (0: per-head rope keys)");
   m.def("plan_target_parts", &mla::api::plan_target_parts, py::arg("device"), py::arg("s_q"), py::arg("h_q"),
         "the split planner's target parts per head block on `device` for s_q x h_q query rows");
+  m.def("splits_possible", &mla::api::splits_possible, py::arg("device"), py::arg("bs"), py::arg("s_q"),
+        py::arg("h_q"), "whether the split planner can split a batch of bs sequences of one length on `device`");
   m.def("attention", &mla::api::attention, py::arg("q"), py::arg("kv"), py::arg("seqlens"),
         py::arg("block_table"), py::arg("rope_cs"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("kpe") = py::none(), py::arg("head_dim_v") = 512, py::arg("kpe_heads") = py::none(),

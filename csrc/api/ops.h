@@ -1,8 +1,8 @@
 // Declarations of the torch-facing ops, for the module (module.cpp), the op
 // registration (registration.cpp) and the decode step (step.cpp). Defined in
 // attention_ops.cpp (attention, attention_out, plan), combine_op.cpp,
-// attention_choice.cpp (plan_target_parts, attention_info), step_graph.cpp
-// (release_cached), ops_projections.cpp and step.cpp.
+// attention_choice.cpp (plan_target_parts, splits_possible, attention_info),
+// step_graph.cpp (release_cached), ops_projections.cpp and step.cpp.
 #pragma once
 
 #include <tuple>
@@ -51,9 +51,13 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
 at::Tensor plan(const at::Tensor& seqlens, int64_t s_q, int64_t h_q, int64_t capacity, bool split = true);
 
 // The planner's target parts per head block on `device` for s_q x h_q query
-// rows (what plan() plans with): a batch of one length never splits once bs
-// reaches it (mla_decode.splits_possible).
+// rows (what plan() plans with).
 int64_t plan_target_parts(int64_t device, int64_t s_q, int64_t h_q);
+// Whether the planner can split a batch of bs sequences of one length: not
+// once bs reaches the target parts (every part size it weighs is then at
+// least a sequence's tiles). Where it cannot, split=False plans the same and
+// saves the combine's launch (the decode step; mla_decode.splits_possible).
+bool splits_possible(int64_t device, int64_t bs, int64_t s_q, int64_t h_q);
 
 // The decode step's split plan (step.cpp): the planner's parameters for bs
 // sequences of one length, s_q 1 and h_q heads, with the step's attention

@@ -140,8 +140,7 @@ StepShape make_step_shape(int device, int64_t bs, int64_t max_len, c10::ArrayRef
   const StepDims sizes = step_dims(cfg);
   const int64_t dim = sizes.dim, H = sizes.heads, q_lora = sizes.q_lora, r = sizes.kv_lora, rope = sizes.rope,
                 v = sizes.v, d = r + rope;
-  // every sequence one part, and no combine, where the planner could not split a batch of one length anyway
-  s.split = bs < plan_target_parts(device, 1, H);
+  s.split = splits_possible(device, bs, 1, H);  // (else one part per sequence, and no combine)
   s.pp = step_plan_params(device, bs, H, max_len, s.split, &s.plan_elems);
   s.down_ok = (want & kStepDownOwn) && bs <= 256 &&
               gemm_sm90_config_for(static_cast<int>(bs), static_cast<int>(dim), 1, static_cast<int>(q_lora),
