@@ -311,7 +311,7 @@ def test_attention_bad_inputs():
                                         (1, 33, 256, 16), (40, 45, 512, 64), (40, 9, 256, 64)])
 def test_combine_op(bs, n, dv, h_q):
     # n past a warp's width and not a whole number of the kernel's unrolled steps; every value width; at
-    # bs 40, h_q 64 rows enough for a warp per whole row (on GPUs of up to 600 SMs)
+    # bs 40, h_q 64 rows enough for a warp per whole row (NVIDIA GPUs of up to 640 SMs)
     g = torch.Generator(device="cuda").manual_seed(4 + n)
     s_q = 2
     o_part = torch.randn(bs, n, s_q, h_q, dv, device="cuda", generator=g)
@@ -331,11 +331,12 @@ def test_combine_op(bs, n, dv, h_q):
 
 @pytest.mark.parametrize("h_q,bs", [(32, 160), (64, 24)])
 def test_combine_whole_rows(h_q, bs):
-    """Batches with query rows enough that the attention's combine takes a
-    whole row per warp (a warp per (row, chunk) would pass a wave of warps on
-    GPUs of up to 600 SMs; at h_q 32, bs 160 more rows than a wave on up to
-    160: warps that each take a run of rows), lengths that split into several
-    parts, empty and one-key sequences, NaN tails."""
+    """Batches with query rows enough that on an H200 (132 SMs) the
+    attention's combine takes a whole row per warp (a warp per (row, chunk)
+    would pass a wave of SMs x 32 warps; at h_q 32, bs 160 the rows pass it
+    too: warps that each take a run of rows; elsewhere the other forms, the
+    same results), lengths that split into several parts, empty and one-key
+    sequences, NaN tails."""
     rng = random.Random(bs + h_q)
     lens = [0, 1, 4096, 3000] + [rng.randrange(1, 4097) for _ in range(bs - 4)]
     q, kv, seqlens = make_case(lens, h_q=h_q, max_seq=4096, seed=bs)
