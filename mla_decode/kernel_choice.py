@@ -183,21 +183,18 @@ def gemm_path(x, w, y=None, own=False) -> str:
     why = _hopper_unusable(x.device, (x, w), "skinny GEMM")
     if why is not None:
         return why
-    m, n = x.shape[-2], w.shape[-2]
-    if not 1 <= m <= 256:
-        return f"vendor: {m} rows of x (the Hopper GEMM takes 1 to 256)"
-    if n < 64 or n % 8:
-        return f"vendor: {n} output columns (the Hopper GEMM takes multiples of 8, at least 64)"
+    why = _ext.module().gemm_sm90_sizes(x.shape[-2], x.shape[-1], w.shape[-2])
+    if why is not None:
+        return f"vendor: {why}"
     if not all(_aligned(t) for t in (x, w) + ((y,) if y is not None else ())):
         return "vendor: operands not 16-byte aligned (base and strides)"
     return "sm90"
 
 
-def _query_sizes_unusable(device, bs, heads, nope, rope, r):
-    if (nope, rope) != (128, 64) or r % 128:
-        return f"vendor: heads of {nope} nope + {rope} rope columns, r {r} (the fused query takes 128 + 64, r a multiple of 128)"
-    if not 1 <= bs <= 128:
-        return f"vendor: {bs} rows of q_lora (the fused query takes 1 to 128)"
+def _query_sizes_unusable(device, bs, k, heads, nope, rope, r):
+    why = _ext.module().query_sm90_sizes(bs, k, heads, nope, rope, r)
+    if why is not None:
+        return f"vendor: {why}"
     sms = sm_count(device)
     if 4 * heads < 3 * sms:
         return f"vendor: {heads} heads on {sms} SMs (the fused query runs one block per head: at least 3/4 of the SMs)"
@@ -215,7 +212,7 @@ def query_path(q_lora, w_qu, w_uk, qbuf) -> str:
     if why is not None:
         return why
     H, nope, r = w_uk.shape
-    why = _query_sizes_unusable(q_lora.device, q_lora.shape[0], H, nope, w_qu.shape[0] // H - nope, r)
+    why = _query_sizes_unusable(q_lora.device, q_lora.shape[0], q_lora.shape[1], H, nope, w_qu.shape[0] // H - nope, r)
     if why is not None:
         return why
     if not all(_aligned(t) for t in (q_lora, w_qu, w_uk, qbuf)):
@@ -240,10 +237,10 @@ def step_want(device, dims) -> int:
     if want is None:
         want = 0
         if _settings.gemm != "vendor" and hopper(device):
-            if 1 <= dims.bs <= 256 and min(dims.q_lora, dims.kv_lora + dims.rope) >= 64 \
-                    and dims.q_lora % 8 == 0 and (dims.kv_lora + dims.rope) % 8 == 0:
+            if _ext.module().gemm_sm90_sizes(dims.bs, dims.dim, dims.q_lora, dims.kv_lora + dims.rope) is None:
                 want |= step_bit("down_own")
-            if _query_sizes_unusable(device, dims.bs, dims.heads, dims.nope, dims.rope, dims.kv_lora) is None:
+            if _query_sizes_unusable(device, dims.bs, dims.q_lora, dims.heads, dims.nope, dims.rope,
+                                     dims.kv_lora) is None:
                 want |= step_bit("query_fused")
         if torch.version.cuda is not None and _settings.blaslt:
             want |= step_bit("wo_lt")

@@ -79,3 +79,17 @@ def test_the_step_path_bits_come_from_the_extension():
     everything = kernel_choice.describe_step_paths(sum(values))
     assert everything == dict(down="sm90 GEMM", query="fused sm90 query", plan="fused query", wo="cuBLASLt",
                               launch="graph replay", captured=True)
+
+
+def test_the_hopper_kernels_size_rules_come_from_the_extension():
+    # one definition (gemm_sm90.cu, query_sm90.cu): kernel_choice's reasons are the launchers' own refusals
+    m = mla_decode._ext.module()
+    assert m.gemm_sm90_sizes(1, 7168, 1536, 576) is None and m.gemm_sm90_sizes(256, 7168, 64) is None
+    assert "1 to 256 rows" in m.gemm_sm90_sizes(257, 7168, 1536)
+    assert "1 to 256 rows" in m.gemm_sm90_sizes(0, 7168, 1536)
+    assert "multiple of 8 rows, at least 64" in m.gemm_sm90_sizes(8, 7168, 1536, 60)
+    assert "multiple of 8 rows, at least 64" in m.gemm_sm90_sizes(8, 7168, 1540)
+    assert m.query_sm90_sizes(128, 1536, 128, 128, 64, 512) is None
+    assert "1 to 128 rows" in m.query_sm90_sizes(129, 1536, 128, 128, 64, 512)
+    assert "128 nope + 64 rope" in m.query_sm90_sizes(8, 1536, 128, 64, 64, 512)
+    assert "multiple of 128" in m.query_sm90_sizes(8, 1536, 128, 128, 64, 500)

@@ -3,6 +3,8 @@
 // pybind11.
 #include <torch/extension.h>
 
+#include "../kernels/projections/gemm.h"
+#include "../kernels/projections/query.h"
 #include "../platform/switches.h"
 #include "blas_lt.h"
 #include "ops.h"
@@ -74,6 +76,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("device"), py::arg("dv") = 512, py::arg("rope") = 64,
       "the attention kernel's facts by name (mla_decode._ext.AttentionInfo's fields) for value width dv and rope "
       "width rope inside the key (0: per-head rope keys)");
+  // (the Hopper GEMM's and fused query's size rules, for mla_decode.kernel_choice's reasons)
+  const auto why = [](const char* e) -> py::object { return e == nullptr ? py::object(py::none()) : py::str(e); };
+  m.def(
+      "gemm_sm90_sizes",
+      [why](int m, int k, int n0, int n1, int batch) {
+        return why(mla::gemm_sm90_sizes(m, k, batch, n1 > 0 ? 2 : 1, n0, n1));
+      },
+      py::arg("m"), py::arg("k"), py::arg("n0"), py::arg("n1") = 0, py::arg("batch") = 1,
+      "None when the Hopper GEMM takes x [batch, m, k] times weights of n0 (and n1) rows, else why not "
+      "(sizes only)");
+  m.def(
+      "query_sm90_sizes",
+      [why](int m, int k, int heads, int nope, int rope, int r) {
+        return why(mla::query_sm90_sizes(m, k, heads, nope, rope, r));
+      },
+      py::arg("m"), py::arg("k"), py::arg("heads"), py::arg("nope"), py::arg("rope"), py::arg("r"),
+      "None when the fused Hopper query takes these sizes, else why not (sizes only)");
   m.def("plan_target_parts", &mla::api::plan_target_parts, py::arg("device"), py::arg("s_q"), py::arg("h_q"),
         "the split planner's target parts per head block on `device` for s_q x h_q query rows");
   m.def("splits_possible", &mla::api::splits_possible, py::arg("device"), py::arg("bs"), py::arg("s_q"),

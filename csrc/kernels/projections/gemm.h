@@ -54,6 +54,10 @@ struct GemmConfig {
 // once per device (NVIDIA builds; the Hopper kernels' planners).
 bool sm90_device_limits(int* sms, int* smem_max);
 
+// nullptr when the Hopper GEMM takes these sizes (m rows of x, k, batch,
+// nseg weights of n0 and n1 rows), else why not: the size rules alone, the
+// same on every device and build (mla_decode.kernel_choice asks them).
+const char* gemm_sm90_sizes(int m, int k, int batch, int nseg, int n0, int n1);
 // nullptr when the Hopper kernel takes these sizes (else why not); fills cfg.
 const char* gemm_sm90_config(const GemmParams& p, GemmConfig* cfg);
 // The same for sizes alone (m rows of x, k, batch, weights of n0 and n1 rows,

@@ -34,6 +34,16 @@
 
 namespace mla {
 
+const char* gemm_sm90_sizes(int m, int k, int batch, int nseg, int n0, int n1) {
+  if (m < 1 || m > 256) return "gemm_sm90: x must have 1 to 256 rows";
+  if (k < 1 || batch < 1 || batch > 65535) return "gemm_sm90: k >= 1 and batch in [1, 65535] required";
+  if (nseg < 1 || nseg > 2) return "gemm_sm90: one or two weights";
+  const int ns[2] = {n0, n1};
+  for (int i = 0; i < nseg; ++i)
+    if (ns[i] < 64 || ns[i] % 8 != 0) return "gemm_sm90: every weight needs a multiple of 8 rows, at least 64";
+  return nullptr;
+}
+
 #if MLA_NVIDIA
 namespace {
 
@@ -356,15 +366,11 @@ struct Plan {
 
 // The sizes' part of plan() (the alignment checked there).
 const char* plan_sizes(int m, int k, int batch, int nseg, int n0, int n1, Plan* out) {
-  if (m < 1 || m > 256) return "gemm_sm90: x must have 1 to 256 rows";
-  if (k < 1 || batch < 1 || batch > 65535) return "gemm_sm90: k >= 1 and batch in [1, 65535] required";
-  if (nseg < 1 || nseg > 2) return "gemm_sm90: one or two weights";
+  if (const char* e = gemm_sm90_sizes(m, k, batch, nseg, n0, n1)) return e;
   const int ns[2] = {n0, n1};
   bool wide = true;
-  for (int i = 0; i < nseg; ++i) {
-    if (ns[i] < 64 || ns[i] % 8 != 0) return "gemm_sm90: every weight needs a multiple of 8 rows, at least 64";
+  for (int i = 0; i < nseg; ++i)
     if (ns[i] < 256) wide = false;
-  }
   // the choice depends on the device and the sizes alone: made once per
   // device and sizes (the search below asks the occupancy calculator per
   // candidate, which a cold host would pay on every launch)

@@ -49,7 +49,12 @@ struct QueryParams : QueryOperands {
   bool pdl;  // launch as a programmatic dependent (the weights stream before the wait for q_lora)
 };
 
-// nullptr when the Hopper kernel takes these sizes (else why not).
+// nullptr when the fused query takes these sizes (m rows of q_lora, k its
+// width, heads of nope + rope columns, latent width r), else why not: the
+// size rules alone, the same on every device and build (mla_decode's
+// kernel_choice asks them).
+const char* query_sm90_sizes(int m, int k, int heads, int nope, int rope, int r);
+// nullptr when the Hopper kernel takes p (sizes, alignment, plan; else why not).
 const char* query_sm90_check(const QueryParams& p);
 // Launches p, which query_sm90_check must have accepted (the op checks once,
 // to raise a ValueError, and launches); error string or nullptr.

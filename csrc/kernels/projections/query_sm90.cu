@@ -35,16 +35,26 @@
 #include "query.h"
 
 namespace mla {
+namespace {
+constexpr int kNope = 128, kRope = 64;  // the head's column split the kernel is written for
+constexpr int kUkCols = 128;            // columns of r per phase-2 slot
+}  // namespace
+
+const char* query_sm90_sizes(int m, int k, int heads, int nope, int rope, int r) {
+  if (nope != kNope || rope != kRope) return "query_sm90: the fused query takes heads of 128 nope + 64 rope columns";
+  if (r < kUkCols || r % kUkCols != 0) return "query_sm90: the latent width r must be a multiple of 128";
+  if (m < 1 || m > 128) return "query_sm90: q_lora must have 1 to 128 rows";
+  if (k < 1 || heads < 1 || heads > 65535) return "query_sm90: k >= 1 and heads in [1, 65535] required";
+  return nullptr;
+}
 
 #if MLA_NVIDIA
 namespace {
 
 constexpr int kQThreads = 320;  // two consumer warpgroups (64 rows of q_lora each), the producer warp, the append warp
-constexpr int kNope = 128, kRope = 64;  // the head's column split the kernel is written for
 constexpr int kHeadRows = kNope + kRope;
 constexpr int kWBytes = kHeadRows * 128;      // one 64-column k block of W_qu[h]
 constexpr int kXBytes = 64 * 128;             // ... of 64 rows of q_lora (one warpgroup's)
-constexpr int kUkCols = 128;                    // columns of r per phase-2 slot
 constexpr int kUkBoxBytes = kNope * 128;        // one 64-column box of W_uk[h] (nope rows)
 constexpr int kUkBytes = 2 * kUkBoxBytes;       // a phase-2 slot: 128 columns
 constexpr int kOutStride = kUkCols + 8;         // bf16 per row of a staging tile (16-byte aligned, conflict-free)
@@ -332,11 +342,7 @@ Layout layout(int m, int k, int r, int smem_max) {
 }  // namespace
 
 const char* query_sm90_check(const QueryParams& p) {
-  if (p.nope != kNope || p.rope != kRope)
-    return "query_sm90: the fused query takes heads of 128 nope + 64 rope columns";
-  if (p.r < kUkCols || p.r % kUkCols != 0) return "query_sm90: the latent width r must be a multiple of 128";
-  if (p.m < 1 || p.m > 128) return "query_sm90: q_lora must have 1 to 128 rows";
-  if (p.k < 1 || p.heads < 1 || p.heads > 65535) return "query_sm90: k >= 1 and heads in [1, 65535] required";
+  if (const char* e = query_sm90_sizes(p.m, p.k, p.heads, p.nope, p.rope, p.r)) return e;
   if (!aligned_rows(p.q_lora, p.q_lora_stride, 0) || !aligned_rows(p.w_qu, p.w_qu_stride, 0) ||
       !aligned_rows(p.w_uk, p.w_uk_row_stride, p.w_uk_head_stride))
     return "query_sm90: q_lora, W_qu and W_uk need 16-byte aligned bases and strides that are multiples of 8 "
