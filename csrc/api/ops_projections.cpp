@@ -140,10 +140,8 @@ Mat as_mat(const at::Tensor& t, const char* name) {
   return {t.size(0), t.size(1), t.size(2), t.stride(1), t.stride(0)};
 }
 
-}  // namespace
-
-GemmSeg gemm_seg(const at::Tensor& w, const char* name, bf16_t* y, int64_t y_row_stride, int64_t y_batch_stride) {
-  const Mat mw = as_mat(w, name);
+// A weight's segment from w already read as mw (gemm_params reads it once for its checks).
+GemmSeg seg_of(const at::Tensor& w, const Mat& mw, bf16_t* y, int64_t y_row_stride, int64_t y_batch_stride) {
   GemmSeg s{};
   s.w = reinterpret_cast<const bf16_t*>(w.data_ptr());
   s.w_row_stride = mw.rs;
@@ -153,6 +151,12 @@ GemmSeg gemm_seg(const at::Tensor& w, const char* name, bf16_t* y, int64_t y_row
   s.y_row_stride = y_row_stride;
   s.y_batch_stride = y_batch_stride;
   return s;
+}
+
+}  // namespace
+
+GemmSeg gemm_seg(const at::Tensor& w, const char* name, bf16_t* y, int64_t y_row_stride, int64_t y_batch_stride) {
+  return seg_of(w, as_mat(w, name), y, y_row_stride, y_batch_stride);
 }
 
 GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& y0,
@@ -191,7 +195,7 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
       fail_value(std::string(wn) + " must be [n, k] (or [batch, n, k] with x's batch) with x's k = " + num(mx.cols) +
                  ", got " + shape_str(w) + " for x " + shape_str(x));
     GemmSeg& s = p.seg[i];
-    s = gemm_seg(w, wn, reinterpret_cast<bf16_t*>(y.data_ptr()), 0, 0);  // (y's strides below)
+    s = seg_of(w, mw, reinterpret_cast<bf16_t*>(y.data_ptr()), 0, 0);  // (y's strides below)
     if (i == 1 && row_pos1.has_value()) {
       const at::Tensor& rp = *row_pos1;
       check_device(rp, "row_pos1", dev);
