@@ -1009,7 +1009,6 @@ struct Sm90Block {
     }
     sync_threads();  // (also: every matrix product of the item is done, the key buffers are free)
     q_ready = s_next[1] != 0;
-    pdl_trigger();   // the combine may launch once every block has got here
   }
 
   // ==== The work items of this block: per item, the stages above in order
@@ -1153,6 +1152,10 @@ struct Sm90Block {
       const int orow_bytes = T::kOutRowBytes(elt);
       stage_o<T, kF16>(k_s, r0, r1, o, inv0, inv1, fin, orow_bytes, elt, col0);
       if (tid < kRB && row_base + tid < p.rows) copy_out_row(p, k_s, tid, row_base, b, dvm, fin, prow, elt, orow_bytes);
+      // The combine may launch once every block has issued its first item's
+      // output: triggered at the row sums it ran slower where it merges many
+      // splits (docs/attention.md, "Programmatic dependent launches")
+      pdl_trigger();
       if (nlat < kNB) {  // the staged output covered the dead latent blocks
         sync_threads();   // (the bulk copies have read it)
         zero_dead_blocks<T>(q_s, nlat, tid);
