@@ -67,9 +67,9 @@ def test_query_stage_takes_the_fused_kernel_on_hopper():
 def test_query_path_says_why_not(gemm_env):
     q_lora, w_qu, w_uk = operands(129, 4, 256)
     qbuf = torch.empty(4, 129, 576, dtype=torch.bfloat16, device="cuda")
-    assert "129 rows" in projections.query_path(q_lora, w_qu, w_uk, qbuf)
+    assert "1 to 128 rows" in projections.query_path(q_lora, w_qu, w_uk, qbuf)
     q_lora, w_qu, w_uk = operands(8, 4, 256, nope=64)
-    assert "64 nope" in projections.query_path(q_lora, w_qu, w_uk, qbuf[:, :8])
+    assert "128 nope" in projections.query_path(q_lora, w_qu, w_uk, qbuf[:, :8])
     q_lora, w_qu, w_uk = operands(8, 4, 256)
     assert "4 heads on" in projections.query_path(q_lora, w_qu, w_uk, qbuf[:, :8])
     gemm_env("vendor")
