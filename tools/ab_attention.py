@@ -4,11 +4,13 @@ device time in CUDA graphs, alternated in separate processes (like clocks).
     python3 tools/ab_attention.py --build old=/path/to/old/csrc --build new=csrc \\
         --shapes 32,128,4096 128,1,32769 [--kernel portable] [--rounds 2] [--env MLA_DECODE_PDL=0]
     python3 tools/ab_attention.py --prebuilt old=/tmp/ab/old --prebuilt new=/tmp/ab/new --shapes ...
+    python3 tools/ab_attention.py --prebuilt on=. --prebuilt off=. --env-of off:MLA_DECODE_PDL=0 --shapes ...
 
 --build NAME=CSRC copies this checkout's mla_decode, setup.py,
 pyproject.toml and benchmarks to /tmp/ab/NAME with CSRC as its csrc and
 builds it there (all builds at once, MAX_JOBS shared between them; about two
-minutes on a 16-core host); --prebuilt NAME=DIR takes a tree already built.
+minutes on a 16-core host); --prebuilt NAME=DIR takes a tree already built
+(one tree may appear under two names, told apart by --env-of NAME:VAR=VALUE).
 A shape is h_q,bs,L (s_q 1, d 576, dv 512, every sequence L keys). For each
 round every build in turn (the order reversed every other round) times every
 shape in a fresh process: 10 calls captured in one graph on rotated cache
@@ -96,6 +98,8 @@ def main():
     ap.add_argument("--kernel", choices=("hopper", "portable"), default="hopper")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--env", action="append", default=[], metavar="VAR=VALUE", help="set in every timing process")
+    ap.add_argument("--env-of", action="append", default=[], metavar="NAME:VAR=VALUE",
+                    help="set in the timing processes of build NAME only")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="compile jobs over all builds")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -107,17 +111,25 @@ def main():
     pairs = lambda xs: [tuple(x.split("=", 1)) for x in xs]  # noqa: E731
     if any(len(p) != 2 for p in pairs(args.build + args.prebuilt + args.env)):
         ap.error("--build, --prebuilt and --env take NAME=VALUE")
+    env_of = {}
+    for item in args.env_of:
+        name, _, var = item.partition(":")
+        if len(var.split("=", 1)) != 2:
+            ap.error("--env-of takes NAME:VAR=VALUE")
+        env_of.setdefault(name, []).append(var)
     trees = build_all(pairs(args.build), args.jobs) if args.build else []
     trees += [(n, os.path.abspath(d)) for n, d in pairs(args.prebuilt)]
     if len(trees) < 1 or not shapes:
         ap.error("give at least one build and one shape")
+    if len({n for n, _ in trees}) != len(trees) or not set(env_of) <= {n for n, _ in trees}:
+        ap.error("build names must be distinct, and --env-of must name one of them")
     results = {}
     for rnd in range(args.rounds):
         for name, d in (trees if rnd % 2 == 0 else trees[::-1]):
-            out_dir = os.path.join(d, "ab_out") if rnd == 0 else ""
+            out_dir = os.path.join(d, "ab_out", name) if rnd == 0 else ""
             if out_dir:
                 os.makedirs(out_dir, exist_ok=True)
-            env = dict(os.environ, PYTHONPATH=d, **dict(pairs(args.env)))
+            env = dict(os.environ, PYTHONPATH=d, **dict(pairs(args.env)), **dict(pairs(env_of.get(name, []))))
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, "--kernel", args.kernel,
                    "--shapes", *args.shapes]
             res = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True)
@@ -141,7 +153,7 @@ def main():
             rs = by_build.get(name, [])
             o = [r["order"] for r in rs]
             s = [r["scattered"] for r in rs]
-            out = torch.load(os.path.join(d, "ab_out", "{}_{}_{}.pt".format(*key))).float()
+            out = torch.load(os.path.join(d, "ab_out", name, "{}_{}_{}.pt".format(*key))).float()
             first = out if first is None else first
             diff = (out - first).abs().max().item()
             print(f"h_q {key[0]:3d} bs {key[1]:4d} L {key[2]:6d} {name:>10}: {min(o):8.1f}-{max(o):8.1f} | "
