@@ -1154,7 +1154,7 @@ struct Sm90Block {
       if (tid < kRB && row_base + tid < p.rows) copy_out_row(p, k_s, tid, row_base, b, dvm, fin, prow, elt, orow_bytes);
       // The combine may launch once every block has issued its first item's
       // output: triggered at the row sums it ran slower where it merges many
-      // splits (docs/attention.md, "Programmatic dependent launches")
+      // splits (docs/attention.md, "When the combine may launch")
       pdl_trigger();
       if (nlat < kNB) {  // the staged output covered the dead latent blocks
         sync_threads();   // (the bulk copies have read it)
