@@ -185,6 +185,36 @@ def test_planner_fills_the_slots_in_one_wave_at_one_length():
             assert mine[-1, 2].item() == -(-L // tile) and (mine[:, 6] == L).all(), f"sequence {b}: {mine.tolist()}"
 
 
+def test_planner_hangs_a_one_key_tile_on_the_last_part():
+    """Lengths of 128 k + 1 (the task's): the Hopper kernel adds a last
+    tile's only key outside its pair loop, so the planner cuts the parts
+    from the 128 k keys before it and the last part ends with that tile (a
+    part of the one key alone is a work item of its own: at bs 8, L 8193,
+    16 such items beside 128 others on 132 SMs). The portable kernel runs
+    such a tile as any other and is planned over all of them. The parts
+    cover the tiles once, in order; the result against the reference."""
+    info = mla_decode._ext.attention_info(0)
+    bs, L, h_q = 8, 8193, 128
+    q, kv, seqlens = make_case([L] * bs, h_q=h_q, max_seq=L, seed=8)
+    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, kv.shape[1])
+    p = plan.cpu()
+    base = (2 + 2 * bs + 7) // 8 * 8  # plan layout: plan.h
+    parts = p[base:base + 8 * int(p[0])].view(-1, 8)
+    tiles = -(-L // info.keys_per_tile)
+    for b in range(bs):
+        mine = parts[parts[:, 0] == b]
+        assert mine[0, 1].item() == 0 and (mine[1:, 1] == mine[:-1, 2]).all(), f"sequence {b}: parts not contiguous"
+        assert mine[-1, 2].item() == tiles, f"sequence {b}: {mine.tolist()}"
+        assert len(mine) > 1, "no sequence was split: the planner's cut went untested"
+        if info.kernel == "hopper":
+            sizes = mine[:, 2] - mine[:, 1]
+            assert int(sizes.min()) > 1, f"sequence {b}: a part of the one-key tile alone: {mine.tolist()}"
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv, seqlens, 0.07, out=out, lse=lse, plan=plan)
+    ro, rl = attention_reference(q, kv, seqlens, 0.07)
+    check(out, lse, ro, rl, "bs 8, L 8193, the one-key tile on the last part")
+
+
 @pytest.mark.parametrize("lens,h_q", [([131072, 1, 32769, 8193], 128), ([1, 131073, 0, 65537, 513], 16),
                                       ([32769], 128)])
 def test_small_batch_long_contexts_split_and_merged(lens, h_q):

@@ -109,6 +109,7 @@ PlanParams plan_params(int64_t bs, int64_t s_q, int64_t h_q, int64_t capacity, c
   pp.max_len = static_cast<int>(capacity);
   pp.p0_only = switches().plan_p0 ? 1 : 0;
   pp.no_split = split ? 0 : 1;
+  pp.tail_free = info.kernel.one_key_tail ? 1 : 0;
   return pp;
 }
 

@@ -1005,6 +1005,7 @@ const char* kernel_info(AttnKernelInfo* info, bool fp8) {
   info->threads = T::kThreads;
   info->smem_bytes = T::kSmem;
   info->warp_size = kWarpSize;
+  info->one_key_tail = false;  // (a last tile of one key runs as a tile)
   if (fp8) {
     if constexpr (kFp8Instance<T>) {
       if (const char* e = set_max_dynamic_smem(attention_kernel<T, false, true>, T::kSmem)) return e;

@@ -16,6 +16,9 @@ struct AttnKernelInfo {
   int smem_bytes;       // dynamic shared memory per block
   int warp_size;        // the wave size the kernel was compiled for
   int blocks_per_sm;    // resident blocks per SM/CU (occupancy calculator)
+  bool one_key_tail;    // a sequence's last tile holding one key costs next to nothing (the Hopper
+                        // kernel's dv 512 bf16 instances add it outside the pair loop): the planner
+                        // cuts the tiles before it and hangs it on the last part
 };
 
 // The portable kernel (attention.cu; tile-MMA interface, the one AMD builds

@@ -1270,6 +1270,7 @@ const char* kernel_info_as(AttnKernelInfo* info) {
     return nullptr;
   });
   info->blocks_per_sm = blocks;
+  info->one_key_tail = kDv == 512 && !kPH;  // (has_tail_key; fp16 calls, unknown here, run it as a pair: still right)
   if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }

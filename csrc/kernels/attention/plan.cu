@@ -51,9 +51,14 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   if (p.fill_lens != nullptr)  // (read by the kernels after this one, which the stream orders after it)
     for (int b = tid; b < p.bs; b += p.threads) p.fill_lens[b] = fill_len;
   auto len_of = [&](int b) { return p.fill_lens != nullptr ? fill_len : p.seqlens[b]; };
+  auto len_tiles = [&](int L) { return L > 0 ? (L + p.tile - 1) / p.tile : 0; };
+  // The tiles a sequence's parts are cut from: with p.tail_free a last tile
+  // holding one key is left out (the attention adds that key to the last part
+  // at next to no cost: a part of its own would cost a whole work item).
   auto tiles_from_len = [&](int b) {
     const int L = min(max(len_of(b), 0), p.max_len);  // never read past the cache
-    return L > 0 ? (L + p.tile - 1) / p.tile : 0;
+    const int t = len_tiles(L);
+    return p.tail_free && t > 1 && L - (t - 1) * p.tile == 1 ? t - 1 : t;
   };
   // sequence tid's tiles, read once (with bs <= threads, a thread's only
   // sequence: the candidate loop and the part order below reuse it)
@@ -182,11 +187,12 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
       p.plan[kPlanSeqBase + 2 * b + 1] = first;
       const int per_split = (tiles + n - 1) / n;
       const int L = min(max(len_of(b), 0), p.max_len);
+      const int all = len_tiles(L);  // (tiles, or one more: the last part ends with the one-key tile)
       int32_t* out = p.plan + plan_part_base(p.bs) + kPartInts * first;
       for (int s = 0; s < n; ++s, out += kPartInts) {
         out[0] = b;
         out[1] = min(s * per_split, tiles);
-        out[2] = min((s + 1) * per_split, tiles);
+        out[2] = s == n - 1 ? all : min((s + 1) * per_split, tiles);
         out[3] = s;
         out[4] = n;
         out[5] = first;

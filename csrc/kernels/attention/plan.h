@@ -43,6 +43,8 @@ struct PlanParams {
   int threads;             // block size (set by launch_plan)
   int p0_only;             // 1: per_part = total / target_parts, no candidates (MLA_DECODE_PLAN_P0=1)
   int no_split;            // 1: one part per sequence (max_parts = bs): a plan for calls without a combine
+  int tail_free;           // 1: a last tile of one key is not counted when parts are cut; it goes to the
+                           // sequence's last part (AttnKernelInfo::one_key_tail)
   int32_t* fill_lens;      // non-null: every length is fill_len, written to fill_lens[0 .. bs) as the plan is
   int fill_len;            // made (seqlens unread): the decode step's lengths and plan in one launch
   int32_t* len_slot;       // non-null (with fill_lens): int32 [2], {length, step}: fill_len is read from
