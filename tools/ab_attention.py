@@ -129,7 +129,9 @@ def main():
             out_dir = os.path.join(d, "ab_out", name) if rnd == 0 else ""
             if out_dir:
                 os.makedirs(out_dir, exist_ok=True)
-            env = dict(os.environ, PYTHONPATH=d, **dict(pairs(args.env)), **dict(pairs(env_of.get(name, []))))
+            env = dict(os.environ, PYTHONPATH=d)
+            env.update(pairs(args.env))
+            env.update(pairs(env_of.get(name, [])))  # (over --env where both name a variable)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, "--kernel", args.kernel,
                    "--shapes", *args.shapes]
             res = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True)
