@@ -87,6 +87,12 @@ struct TmaMaps {
 
 constexpr int kBlockBytes = 64 * 128;  // one 64-column (128 B) block of 64 rows, every width
 
+// The instances that add a sequence's last key, where it is alone in its last
+// pair, outside the pair loop (bf16 ones: has_tail_key); the planner then
+// hangs that pair on the sequence's last part (AttnKernelInfo::one_key_tail).
+template <int kDv, bool kPH>
+constexpr bool kOneKeyTail = kDv == 512 && !kPH;
+
 // Geometry for value width kDv_ (128, 256 or 512): the key is kNB latent
 // column blocks + one rope block (the rope width, up to 64, zero-padded).
 template <int kDv_>
@@ -766,7 +772,7 @@ struct Sm90Block {
   // (dv 512, bf16, shared rope keys: the task's paths.)
   // True for such an item, whose last pair then leaves npairs.
   MLA_DEVICE bool has_tail_key() {
-    const bool tail = kDv == 512 && !kF16 && !kPH && npairs > 0 &&
+    const bool tail = kOneKeyTail<kDv, kPH> && !kF16 && npairs > 0 &&
                       L - (pt.tile_begin + npairs - 1) * T::kTileKeys == 1;
     if (tail) --npairs;
     return tail;
@@ -1270,7 +1276,7 @@ const char* kernel_info_as(AttnKernelInfo* info) {
     return nullptr;
   });
   info->blocks_per_sm = blocks;
-  info->one_key_tail = kDv == 512 && !kPH;  // (has_tail_key; fp16 calls, unknown here, run it as a pair: still right)
+  info->one_key_tail = kOneKeyTail<kDv, kPH>;  // (an fp16 call, unknown here, runs that pair as any other: still right)
   if (info->blocks_per_sm <= 0) return "sm90 attention kernel cannot be resident on this device (occupancy 0)";
   return nullptr;
 }
