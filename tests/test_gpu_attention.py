@@ -215,6 +215,67 @@ def test_planner_hangs_a_one_key_tile_on_the_last_part():
     check(out, lse, ro, rl, "bs 8, L 8193, the one-key tile on the last part")
 
 
+def _list_schedule(sizes, slots):
+    """Makespan of parts taken in plan order by whichever slot frees first (each part costs one tile more)."""
+    import heapq
+    free = [0] * slots
+    for s in sizes:
+        heapq.heappush(free, heapq.heappop(free) + s + 1)
+    return max(free)
+
+
+@pytest.mark.parametrize("h_q,bs,mean", [(16, 128, 4096), (64, 100, 16384), (128, 40, 4096), (16, 12, 30000)])
+def test_planner_cuts_differing_lengths_longest_part_first(h_q, bs, mean):
+    """Lengths that differ (normal(mean, mean / 2), as serving batches),
+    fewer sequences than slots: every sequence is cut into chunks of the
+    plan's size c and a last part of the rest, and the plan lists the parts
+    longest first (the blocks take them in plan order as they free up). The
+    parts cover each sequence's tiles once; a sequence's (splits, first
+    part) follow its parts; taken in plan order the parts end within 1.2x
+    of the work per slot, a tile per part counted (the planner's earlier
+    equal parts in sequence order: 1.5-1.75x at the first three shapes).
+    Against the reference, planned once and in the call."""
+    ext = mla_decode._ext.module()
+    tile = mla_decode._ext.attention_info(0).keys_per_tile
+    slots = ext.plan_target_parts(0, 1, h_q)
+    assert bs < slots
+    g = torch.Generator().manual_seed(h_q + bs)
+    lens = [max(1, int(mean + mean / 2 * float(x))) for x in torch.randn(bs, generator=g)]
+    lens[0] = 128 * (lens[0] // 128) + 1  # a one-key tile (the Hopper kernel's tail) on a split sequence
+    q, kv, seqlens = make_case(lens, h_q=h_q, seed=bs)
+    plan = torch.ops.mla_decode.plan(seqlens, 1, h_q, kv.shape[1])
+    p = plan.cpu()
+    n_parts, c = int(p[0]), int(p[1])
+    assert n_parts <= slots + bs
+    base = (2 + 2 * bs + 7) // 8 * 8  # plan layout: plan.h
+    parts = p[base:base + 8 * n_parts].view(-1, 8)
+    hopper = mla_decode._ext.attention_info(0).kernel == "hopper"
+    first = 0
+    for b, L in enumerate(lens):
+        mine = parts[parts[:, 0] == b]
+        n = int(p[2 + 2 * b])
+        assert len(mine) == n and int(p[3 + 2 * b]) == first, f"sequence {b}: {n} splits, first {int(p[3 + 2 * b])}"
+        assert (mine[:, 3] == torch.arange(n)).all() and (mine[:, 4] == n).all() and (mine[:, 5] == first).all()
+        assert mine[0, 1].item() == 0 and (mine[1:, 1] == mine[:-1, 2]).all(), f"sequence {b}: parts not contiguous"
+        assert mine[-1, 2].item() == -(-L // tile) and (mine[:, 6] == L).all(), f"sequence {b}: {mine.tolist()}"
+        assert (mine[:-1, 2] - mine[:-1, 1] == c).all(), f"sequence {b}: chunks other than {c} tiles: {mine.tolist()}"
+        first += n
+    cut = parts[:, 2] - parts[:, 1]
+    if hopper:  # (a last part's one-key tile is not counted when the parts are cut)
+        tail = torch.tensor([(L - 1) % tile == 0 and L > tile for L in lens])[parts[:, 0]] & (parts[:, 3] == parts[:, 4] - 1)
+        cut = cut - tail.long()
+    assert (cut[1:] <= cut[:-1]).all(), f"parts not longest first: {cut.tolist()}"
+    assert max(cut.tolist()) == c and int((p[2:2 + 2 * bs:2] > 1).sum()) > 0, "nothing was split"
+    per_slot = (int(cut.sum()) + n_parts) / slots
+    span = _list_schedule(cut.tolist(), slots)
+    assert span <= 1.2 * per_slot, f"the parts end at {span} tiles on {slots} slots, the work per slot is {per_slot:.1f}"
+    ro, rl = attention_reference(q, kv, seqlens, 0.08)
+    for pl in (None, plan):
+        out, lse = poisoned_out(q)
+        mla_attention(q, kv, seqlens, 0.08, out=out, lse=lse, plan=pl)
+        check(out, lse, ro, rl, f"h_q {h_q} bs {bs} mean {mean}, plan {'once' if pl is not None else 'in the call'}")
+
+
 @pytest.mark.parametrize("lens,h_q", [([131072, 1, 32769, 8193], 128), ([1, 131073, 0, 65537, 513], 16),
                                       ([32769], 128)])
 def test_small_batch_long_contexts_split_and_merged(lens, h_q):

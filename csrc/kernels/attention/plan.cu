@@ -27,12 +27,143 @@ namespace {
 // measurements.) With p.no_split every sequence is one part (the plan of a
 // call that launches no combine: the decode step at a batch of at least
 // target_parts sequences of one length, which the candidates above never
-// split either). The planner is on the critical path of every call: the
-// attention kernel waits for it.
+// split either). Batches of lengths that differ, with fewer sequences than
+// slots (and at most one per thread), are cut differently: fixed_chunks()
+// below. The planner is on the critical path of every call: the attention
+// kernel waits for it.
 constexpr int kPlanThreads = 1024;
 constexpr int kPlanCands = 5;
 constexpr float kPartCost = 1.0f;     // per part, in tiles (a work item's fixed cost)
 constexpr float kCombineCost = 1.0f;  // when any sequence is split, in tiles
+
+// The plan of a batch whose lengths differ, with fewer sequences than
+// slots (p.target_parts), one per thread (p.bs <= threads). The blocks take
+// parts in plan order as they free up (list scheduling), so the plan is
+// longest-part-first over all parts (LPT), and parts are fixed chunks: a
+// sequence of t tiles is cut into n - 1 chunks of c tiles and a last part of
+// the rest (1..c, with a one-key tile under p.tail_free), the chunks of every
+// sequence first, then the last parts from the longest down. c is the
+// candidate (total / slots = P0 times 1/2, 3/4, 1, 9/8, 5/4, 3/2 or 2, or the
+// longest sequence: no split) with the smallest estimated makespan, each
+// part costing kPartCost more: the largest of the longest part, the work per
+// slot and, with more parts than slots, the S-th and (S+1)-th longest parts
+// on one slot (of the S + 1 longest parts two share a slot), plus
+// kCombineCost when a sequence is split; ties go to fewer parts. Candidates
+// of more than p.max_parts parts are skipped (P0 and above never have more).
+// (The equal parts in sequence order below, longest sequence first, left
+// the last wave to a few long parts of the longest sequences: serving
+// batches at h_q 16-64 ran 1.2-1.3x slower; docs/attention.md.)
+__device__ void fixed_chunks(const PlanParams& p, int own_tiles, int total, int longest, int p0, int tid, int* scan,
+                             int* rem_s, int L) {
+  constexpr int kCands = 8;
+  __shared__ int c_np, c_full, c_stat[2];
+  __shared__ int chosen;
+  __shared__ float best_s;
+  __shared__ int best_np;
+  const int slots = p.target_parts;
+  const bool mine = tid < p.bs;
+  if (tid == 0) {
+    best_s = 3.0e38f;
+    best_np = 0x7fffffff;
+    chosen = max(1, longest);
+  }
+  // a thread's rank among the last parts (longest first, ties by sequence)
+  auto rank_of = [&](int r) {
+    int k = 0;
+    for (int o = 0; o < p.bs; ++o) {
+      const int ro = rem_s[o];
+      k += (ro > r || (ro == r && o < tid)) ? 1 : 0;
+    }
+    return k;
+  };
+#pragma unroll 1
+  for (int ci = 0; ci < kCands; ++ci) {
+    const int eighths = ci == 0 ? 4 : ci == 1 ? 6 : ci == 2 ? 8 : ci == 3 ? 9 : ci == 4 ? 10 : ci == 5 ? 12 : 16;
+    const int c = ci == kCands - 1 ? max(1, longest) : max(1, p0 * eighths / 8);
+    const int t = own_tiles;
+    const int n = t > 0 ? (t + c - 1) / c : 1;
+    const int r = t - (n - 1) * c;  // the last part (0: an empty sequence)
+    if (tid == 0) {
+      c_np = 0;
+      c_full = 0;
+      c_stat[0] = c_stat[1] = c;
+    }
+    if (mine) rem_s[tid] = r;
+    sync_threads();
+    if (mine) {
+      atomic_add_relaxed(&c_np, n);
+      if (n > 1) atomic_add_relaxed(&c_full, n - 1);
+    }
+    sync_threads();
+    const int np = c_np, full = c_full;
+    // the slots-th and (slots + 1)-th longest parts (1-based): chunks of c
+    // first, then the last parts by rank
+    if (np > slots && full < slots + 1 && mine) {
+      const int k = rank_of(r);
+      if (k == slots - 1 - full) c_stat[0] = r;
+      if (k == slots - full) c_stat[1] = r;
+    }
+    sync_threads();
+    if (tid == 0 && np <= p.max_parts) {
+      const float pmax = static_cast<float>(full > 0 ? c : longest) + kPartCost;
+      const float per_slot = (static_cast<float>(total) + kPartCost * static_cast<float>(np)) / static_cast<float>(slots);
+      const float pair = np > slots ? static_cast<float>(c_stat[0] + c_stat[1]) + 2.0f * kPartCost : 0.0f;
+      const float est = fmaxf(fmaxf(pmax, per_slot), pair) + (np > p.bs ? kCombineCost : 0.0f);
+      if (est < best_s || (est == best_s && np < best_np)) {
+        best_s = est;
+        best_np = np;
+        chosen = c;
+      }
+    }
+    sync_threads();
+  }
+  const int c = chosen;
+  const int t = own_tiles;
+  const int n = mine ? (t > 0 ? (t + c - 1) / c : 1) : 0;
+  const int r = t - (n - 1) * c;
+  if (mine) rem_s[tid] = r;
+  // exclusive prefixes of the chunks (n - 1, low 16 bits) and the parts (n,
+  // high 16 bits) in sequence order: both sums stay below 2^16 (max_parts)
+  uint32_t* uscan = reinterpret_cast<uint32_t*>(scan);
+  uscan[tid] = mine ? (static_cast<uint32_t>(n) << 16) | static_cast<uint32_t>(n - 1) : 0u;
+  sync_threads();
+  for (int off = 1; off < p.threads; off <<= 1) {  // inclusive Hillis-Steele scan
+    const uint32_t v = tid >= off ? uscan[tid - off] : 0u;
+    sync_threads();
+    uscan[tid] += v;
+    sync_threads();
+  }
+  const uint32_t all_sum = uscan[p.threads - 1];
+  const int nfull = static_cast<int>(all_sum & 0xffffu), nparts = static_cast<int>(all_sum >> 16);
+  if (mine) {
+    const uint32_t incl = uscan[tid];
+    const int chunk0 = static_cast<int>(incl & 0xffffu) - (n - 1);  // this sequence's first chunk's place
+    const int first = static_cast<int>(incl >> 16) - n;              // its first part (row of its partials)
+    const int last_at = nfull + rank_of(r);                          // its last part's place
+    const int b = tid;
+    p.plan[kPlanSeqBase + 2 * b] = n;
+    p.plan[kPlanSeqBase + 2 * b + 1] = first;
+    const int all = L > 0 ? (L + p.tile - 1) / p.tile : 0;  // (t, or one more: the one-key tile)
+    int32_t* parts = p.plan + plan_part_base(p.bs);
+    for (int s = 0; s < n; ++s) {
+      int32_t* out = parts + kPartInts * (s == n - 1 ? last_at : chunk0 + s);
+      out[0] = b;
+      out[1] = s * c;
+      out[2] = s == n - 1 ? all : (s + 1) * c;
+      out[3] = s;
+      out[4] = n;
+      out[5] = first;
+      out[6] = L;
+      out[7] = 0;
+    }
+  }
+  if (tid == 0) {
+    p.plan[0] = nparts;
+    p.plan[1] = c;
+    p.plan[plan_counter(p.bs, p.max_parts)] = 0;
+    p.plan[plan_counter(p.bs, p.max_parts) + 1] = 0;
+  }
+}
 
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) {
   __shared__ int scan[kPlanThreads];
@@ -65,23 +196,31 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   const int own_tiles = tid < p.bs ? tiles_from_len(tid) : 0;
   auto tiles_of = [&](int b) { return b == tid ? own_tiles : tiles_from_len(b); };
   // total tiles (an empty sequence counts one: it still gets a part) and the longest sequence
-  __shared__ int longest_s;
-  int mine = 0, longest = 0;
+  __shared__ int longest_s, shortest_s;
+  int mine = 0, longest = 0, shortest = 0x7fffffff;
   const int nt = p.threads;
   for (int b = tid; b < p.bs; b += nt) {
     const int t = tiles_of(b);
     mine += t > 0 ? t : 1;
     longest = max(longest, t);
+    shortest = min(shortest, t);
   }
   if (tid == 0) {
     total_s = 0;
     longest_s = 1;
+    shortest_s = 0x7fffffff;
   }
   sync_threads();
   if (mine != 0) atomic_add_relaxed(&total_s, mine);
   if (longest > 1) atomic_max_relaxed(&longest_s, longest);
+  if (shortest != 0x7fffffff) atomic_min_relaxed(&shortest_s, shortest);
   sync_threads();
   const int p0 = max(1, (total_s + p.target_parts - 1) / p.target_parts);
+  if (!p.no_split && !p.p0_only && p.bs <= nt && p.bs < p.target_parts && shortest_s != longest_s) {
+    fixed_chunks(p, own_tiles, total_s, longest_s, p0, tid, scan, tiles_s,
+                 tid < p.bs ? min(max(len_of(tid), 0), p.max_len) : 0);
+    return;
+  }
   int per_part = p0;
   if (p.no_split) {  // every sequence one part: per_part = the longest sequence's tiles
     per_part = longest_s;
