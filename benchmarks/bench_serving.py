@@ -11,7 +11,14 @@ b=128, one KV head, h_q in 16..128, s_q 1 and 2, variable lengths
 Device events around --batch calls back to back (device time per call, host
 launch overhead not counted; --batch 1 counts it), median of many runs (the
 metadata computed once, outside).
-us, TFLOP/s, GB/s and % of the attention floor max(bytes/BW, FLOPs/peak)."""
+us, TFLOP/s, GB/s and % of the attention floor max(bytes/BW, FLOPs/peak).
+Where ``import flash_mla`` works (FlashMLA, never part of this repository;
+on the device ``source .peers/use_flashmla.sh``), the bf16 rows also time
+ours and FlashMLA's by device time in CUDA graphs (10 calls per graph on the
+same inputs: a cache of mean 4096 is 600 MB, past the L2; median of
+--graph-reps replays) and print FlashMLA us / ours (xFM, > 1: ours faster),
+with the largest difference between the two outputs; fp8 rows against
+FlashMLA's bf16 on the same values. --no-flashmla skips it."""
 
 import argparse
 import os
@@ -23,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mla_decode  # noqa: E402
 import mla_decode.fp8  # noqa: E402,F401
-from common import add_timing_args, dump_json, gpu_setup, rates, time_events  # noqa: E402
+from common import add_timing_args, dump_json, flashmla, gpu_setup, rates, time_events, time_graph_calls  # noqa: E402
 
 
 def paged_cache(lens, block_size, gen, dtype, order="random"):
@@ -40,6 +47,25 @@ def paged_cache(lens, block_size, gen, dtype, order="random"):
     return k_cache, table.cuda()
 
 
+def vs_flashmla(fm, call, q, k_cache, table, seqlens, s_q, h_q, kv_scale, reps, row):
+    """Ours and FlashMLA's by device time in CUDA graphs of 10 calls (FlashMLA
+    on the bf16 values of an fp8 cache); fills row, returns the printed part."""
+    kc = k_cache if kv_scale is None else (k_cache.to(torch.bfloat16) * kv_scale).to(torch.bfloat16)
+    meta = fm.get_mla_metadata(seqlens, s_q * h_q, 1)
+
+    def theirs():
+        return fm.flash_mla_with_kvcache(q, kc, table, seqlens, 512, meta[0], meta[1], causal=s_q > 1)
+
+    mine = mla_decode.flash_mla_with_kvcache(q, k_cache, table, seqlens, 512,
+                                             *mla_decode.get_mla_metadata(seqlens, s_q * h_q, 1),
+                                             causal=s_q > 1, kv_scale=kv_scale)[0]
+    diff = (mine.float() - theirs()[0].float()).abs().max().item()
+    g_ours = time_graph_calls([call] * 10, reps=reps) * 1e3
+    g_fm = time_graph_calls([theirs] * 10, reps=reps) * 1e3
+    row.update(graph_us=g_ours, flashmla_graph_us=g_fm, x_flashmla=g_fm / g_ours, max_diff=diff)
+    return f" | graphs {g_ours:8.1f} / FlashMLA {g_fm:8.1f} us (xFM {g_fm / g_ours:4.2f}) max|d| {diff:.1e}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--means", type=int, nargs="+", default=[4096, 8192, 16384])
@@ -48,6 +74,8 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp8"], default="bf16")
     ap.add_argument("--table", choices=["random", "sorted"], default="random",
                     help="page order: a random permutation (FlashMLA's test) or pages in order")
+    ap.add_argument("--graph-reps", type=int, default=10)
+    ap.add_argument("--no-flashmla", action="store_true")
     add_timing_args(ap, iters=30)
     args = ap.parse_args()
     setup = gpu_setup("bench_serving")
@@ -59,6 +87,10 @@ def main():
     kv_scale = 0.02 if fp8 else None  # (randn values up to ~5: within e4m3's range at this scale)
     print(f"# serving API (flash_mla_with_kvcache) | {mla_decode.backend()} | b={args.b} h_kv=1 d=576 dv=512 "
           f"| {args.dtype} | pages {args.table}")
+    fm = None if args.no_flashmla or args.dtype == "fp16" else flashmla()
+    if fm is None and not args.no_flashmla and args.dtype != "fp16":
+        import common
+        print(f"# no FlashMLA column: flash_mla does not import ({common.FLASHMLA_ERROR})")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for mean in args.means:
@@ -88,10 +120,13 @@ def main():
                           + 4 * args.b * s_q * h_q)
                     row = dict(mean=mean, s_q=s_q, h_q=h_q, block=block_size, dtype=args.dtype, table=args.table,
                                **rates(us, fl, by, peaks))
+                    side = ""
+                    if fm is not None:
+                        side = vs_flashmla(fm, call, q, k_cache, table, seqlens, s_q, h_q, kv_scale, args.graph_reps, row)
                     rows.append(row)
                     print(f"  mean={mean:>5} s_q={s_q} h_q={h_q:>3} block={block_size:>2}: {us:8.1f} us "
                           f"{row['tflops']:6.1f} TFLOP/s {row['gbs']:6.0f} GB/s "
-                          f"{row.get('pct_floor', float('nan')):5.1f} % of floor", flush=True)
+                          f"{row.get('pct_floor', float('nan')):5.1f} % of floor{side}", flush=True)
                 del k_cache, table
     dump_json(args.json, name, rows=rows)
     return 0
