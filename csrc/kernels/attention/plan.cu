@@ -67,9 +67,11 @@ __device__ void fixed_chunks(const PlanParams& p, int own_tiles, int total, int 
     best_np = 0x7fffffff;
     chosen = max(1, longest);
   }
-  // a thread's rank among the last parts (longest first, ties by sequence)
+  // a thread's rank among the last parts (longest first, ties by sequence;
+  // unrolled further, gfx942 spilled the comparisons' SGPR masks)
   auto rank_of = [&](int r) {
     int k = 0;
+#pragma unroll 4
     for (int o = 0; o < p.bs; ++o) {
       const int ro = rem_s[o];
       k += (ro > r || (ro == r && o < tid)) ? 1 : 0;
