@@ -238,7 +238,8 @@ def test_planner_cuts_differing_lengths_longest_part_first(h_q, bs, mean):
     ext = mla_decode._ext.module()
     tile = mla_decode._ext.attention_info(0).keys_per_tile
     slots = ext.plan_target_parts(0, 1, h_q)
-    assert bs < slots
+    if bs >= slots:
+        pytest.skip(f"{slots} slots at h_q {h_q} on this GPU: a batch of {bs} is planned as before")
     g = torch.Generator().manual_seed(h_q + bs)
     lens = [max(1, int(mean + mean / 2 * float(x))) for x in torch.randn(bs, generator=g)]
     lens[0] = 128 * (lens[0] // 128) + 1  # a one-key tile (the Hopper kernel's tail) on a split sequence
