@@ -183,7 +183,7 @@ def gemm_path(x, w, y=None, own=False) -> str:
     why = _hopper_unusable(x.device, (x, w), "skinny GEMM")
     if why is not None:
         return why
-    why = _ext.module().gemm_sm90_sizes(x.shape[-2], x.shape[-1], w.shape[-2])
+    why = _ext.module().gemm_sm90_sizes(x.shape[-2], x.shape[-1], w.shape[-2], batch=x.shape[0] if x.dim() == 3 else 1)
     if why is not None:
         return f"vendor: {why}"
     if not all(_aligned(t) for t in (x, w) + ((y,) if y is not None else ())):

@@ -143,6 +143,9 @@ def test_gemm_path_says_which_gemm_runs(gemm_env):
     for bs in (1, 32, 128, 256):
         assert projections.gemm_path(x[:bs] if bs <= 128 else x.repeat(2, 1), w) == "sm90"
     assert "x must have 1 to 256 rows" in projections.gemm_path(torch.zeros(257, 7168, dtype=torch.bfloat16, device="cuda"), w)
+    xb = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")  # a batch the launcher refuses: said, not launched
+    wb = torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda")
+    assert "batch in [1, 65535]" in projections.gemm_path(xb.expand(65536, 1, 64), wb.expand(65536, 64, 64))
 
 
 @pytest.mark.parametrize("bs", [1, 128])

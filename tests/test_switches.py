@@ -89,6 +89,7 @@ def test_the_hopper_kernels_size_rules_come_from_the_extension():
     assert "1 to 256 rows" in m.gemm_sm90_sizes(0, 7168, 1536)
     assert "multiple of 8 rows, at least 64" in m.gemm_sm90_sizes(8, 7168, 1536, 60)
     assert "multiple of 8 rows, at least 64" in m.gemm_sm90_sizes(8, 7168, 1540)
+    assert "batch in [1, 65535]" in m.gemm_sm90_sizes(8, 64, 64, batch=65536)  # (kernel_choice.gemm_path passes x's)
     assert m.query_sm90_sizes(128, 1536, 128, 128, 64, 512) is None
     assert "1 to 128 rows" in m.query_sm90_sizes(129, 1536, 128, 128, 64, 512)
     assert "128 nope + 64 rope" in m.query_sm90_sizes(8, 1536, 128, 64, 64, 512)
