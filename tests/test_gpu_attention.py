@@ -277,6 +277,45 @@ def test_planner_cuts_differing_lengths_longest_part_first(h_q, bs, mean):
         check(out, lse, ro, rl, f"h_q {h_q} bs {bs} mean {mean}, plan {'once' if pl is not None else 'in the call'}")
 
 
+def test_planner_cut_is_the_documented_one():
+    """The planner's cut of lengths that differ is tools/plan_model.py's
+    fixed_chunks (the model the docs' span figures come from), part for part
+    and in order, over random batches (empty sequences and one-key tails
+    among them) at three head counts."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "plan_model", os.path.join(os.path.dirname(__file__), "..", "tools", "plan_model.py"))
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    ext = mla_decode._ext.module()
+    info = mla_decode._ext.attention_info(0)
+    tile = info.keys_per_tile
+    tail = info.kernel == "hopper"  # (the one-key tail of lengths 128 k + 1: not counted when cutting)
+    g = torch.Generator().manual_seed(3)
+    checked = 0
+    for h_q in (16, 64, 128):
+        slots = ext.plan_target_parts(0, 1, h_q)
+        for trial in range(6):
+            bs = int(torch.randint(2, min(slots, 200), (1,), generator=g))
+            mean = int(torch.randint(200, 40000, (1,), generator=g))
+            lens = [max(0, int(mean * (1 + 0.6 * float(x)))) for x in torch.randn(bs, generator=g)]
+            lens[0], lens[-1] = 0, 128 * (lens[-1] // 128) + 1
+            if len(set(lens)) < 2:
+                continue
+            tiles = [-(-L // tile) if L > 0 else 0 for L in lens]
+            cut = [t - 1 if tail and t > 1 and L - (t - 1) * tile == 1 else t for t, L in zip(tiles, lens)]
+            c, want = model.fixed_chunks(cut, slots, slots + bs)
+            want = [(b, s0, tiles[b] if s == n - 1 else s1, s, n) for b, s0, s1, s, n in want]
+            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            p = torch.ops.mla_decode.plan(seqlens, 1, h_q, max(lens)).cpu()
+            base = (2 + 2 * bs + 7) // 8 * 8  # plan layout: plan.h
+            got = [tuple(int(v) for v in p[base + 8 * i: base + 8 * i + 5]) for i in range(int(p[0]))]
+            assert int(p[1]) == c and got == want, f"h_q {h_q}, lens {lens}: chunk {int(p[1])} (model {c})"
+            checked += 1
+    assert checked >= 12
+
+
 @pytest.mark.parametrize("lens,h_q", [([131072, 1, 32769, 8193], 128), ([1, 131073, 0, 65537, 513], 16),
                                       ([32769], 128)])
 def test_small_batch_long_contexts_split_and_merged(lens, h_q):
