@@ -23,6 +23,16 @@ def gpus(n):
                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; {mla_decode.backend('cuda')})")
 
 
+def load_plan_model():
+    """tools/plan_model.py (the split planner modelled on the CPU; tools/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "plan_model", os.path.join(os.path.dirname(__file__), "..", "tools", "plan_model.py"))
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    return model
+
+
 def free_port():
     """A free TCP port on 127.0.0.1 for a spawned process group's rendezvous."""
     with socket.socket() as s:

@@ -10,7 +10,7 @@ import torch
 import mla_decode
 from mla_decode import attention_reference, mla_attention, mla_combine, rope_table
 
-from conftest import needs_gpu, rel_err
+from conftest import load_plan_model, needs_gpu, rel_err
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 D, DV = 576, 512
@@ -215,15 +215,6 @@ def test_planner_hangs_a_one_key_tile_on_the_last_part():
     check(out, lse, ro, rl, "bs 8, L 8193, the one-key tile on the last part")
 
 
-def _list_schedule(sizes, slots):
-    """Makespan of parts taken in plan order by whichever slot frees first (each part costs one tile more)."""
-    import heapq
-    free = [0] * slots
-    for s in sizes:
-        heapq.heappush(free, heapq.heappop(free) + s + 1)
-    return max(free)
-
-
 @pytest.mark.parametrize("h_q,bs,mean", [(16, 128, 4096), (64, 100, 16384), (128, 40, 4096), (16, 12, 30000)])
 def test_planner_cuts_differing_lengths_longest_part_first(h_q, bs, mean):
     """Lengths that differ (normal(mean, mean / 2), as serving batches),
@@ -268,7 +259,7 @@ def test_planner_cuts_differing_lengths_longest_part_first(h_q, bs, mean):
     assert (cut[1:] <= cut[:-1]).all(), f"parts not longest first: {cut.tolist()}"
     assert max(cut.tolist()) == c and int((p[2:2 + 2 * bs:2] > 1).sum()) > 0, "nothing was split"
     per_slot = (int(cut.sum()) + n_parts) / slots
-    span = _list_schedule(cut.tolist(), slots)
+    span = load_plan_model().span(cut.tolist(), slots)  # (each part costing a tile more)
     assert span <= 1.2 * per_slot, f"the parts end at {span} tiles on {slots} slots, the work per slot is {per_slot:.1f}"
     ro, rl = attention_reference(q, kv, seqlens, 0.08)
     for pl in (None, plan):
@@ -282,12 +273,7 @@ def test_planner_cut_is_the_documented_one():
     fixed_chunks (the model the docs' span figures come from), part for part
     and in order, over random batches (empty sequences and one-key tails
     among them) at three head counts."""
-    import importlib.util
-    import os
-    spec = importlib.util.spec_from_file_location(
-        "plan_model", os.path.join(os.path.dirname(__file__), "..", "tools", "plan_model.py"))
-    model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(model)
+    model = load_plan_model()
     ext = mla_decode._ext.module()
     info = mla_decode._ext.attention_info(0)
     tile = info.keys_per_tile

@@ -4,14 +4,11 @@ covers every sequence once, lists parts longest first and stays within the
 plan's size; on bench_serving's batches its span is near the work per slot
 where the equal parts' is 1.5x. (That the kernel cuts as the model does is
 tests/test_gpu_attention.py::test_planner_cut_is_the_documented_one.)"""
-import importlib.util
-import os
 import random
 
-spec = importlib.util.spec_from_file_location(
-    "plan_model", os.path.join(os.path.dirname(__file__), "..", "tools", "plan_model.py"))
-model = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(model)
+from conftest import load_plan_model
+
+model = load_plan_model()
 
 
 def batch(seed, b=128, mean=4096, tile=128):
