@@ -183,13 +183,14 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   }
   if (p.fill_lens != nullptr)  // (read by the kernels after this one, which the stream orders after it)
     for (int b = tid; b < p.bs; b += p.threads) p.fill_lens[b] = fill_len;
-  auto len_of = [&](int b) { return p.fill_lens != nullptr ? fill_len : p.seqlens[b]; };
+  // sequence b's length as the attention reads it: held to [0, the cache's capacity] (never read past the cache)
+  auto len_of = [&](int b) { return min(max(p.fill_lens != nullptr ? fill_len : p.seqlens[b], 0), p.max_len); };
   auto len_tiles = [&](int L) { return L > 0 ? (L + p.tile - 1) / p.tile : 0; };
   // The tiles a sequence's parts are cut from: with p.tail_free a last tile
   // holding one key is left out (the attention adds that key to the last part
   // at next to no cost: a part of its own would cost a whole work item).
   auto tiles_from_len = [&](int b) {
-    const int L = min(max(len_of(b), 0), p.max_len);  // never read past the cache
+    const int L = len_of(b);
     const int t = len_tiles(L);
     return p.tail_free && t > 1 && L - (t - 1) * p.tile == 1 ? t - 1 : t;
   };
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
   const int p0 = max(1, (total_s + p.target_parts - 1) / p.target_parts);
   if (!p.no_split && !p.p0_only && p.bs <= nt && p.bs < p.target_parts && shortest_s != longest_s) {
     fixed_chunks(p, own_tiles, total_s, longest_s, p0, tid, scan, tiles_s,
-                 tid < p.bs ? min(max(len_of(tid), 0), p.max_len) : 0);
+                 tid < p.bs ? len_of(tid) : 0);
     return;
   }
   int per_part = p0;
@@ -327,7 +328,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
       p.plan[kPlanSeqBase + 2 * b] = n;
       p.plan[kPlanSeqBase + 2 * b + 1] = first;
       const int per_split = (tiles + n - 1) / n;
-      const int L = min(max(len_of(b), 0), p.max_len);
+      const int L = len_of(b);
       const int all = len_tiles(L);  // (tiles, or one more: the last part ends with the one-key tile)
       int32_t* out = p.plan + plan_part_base(p.bs) + kPartInts * first;
       for (int s = 0; s < n; ++s, out += kPartInts) {
