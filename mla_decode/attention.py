@@ -44,6 +44,20 @@ def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tens
     return torch.cat([cos[:, : rope // 2], sin[:, : rope // 2]], dim=-1).contiguous()
 
 
+def plan_elems(bs, s_q: int, h_q: int, split: bool, device):
+    """The length (int32 elements) of ``torch.ops.mla_decode.plan(seqlens, s_q,
+    h_q, capacity, split)`` for ``bs`` sequences on ``device``: plan.h's
+    plan_size(bs, max_parts), max_parts = the target parts + bs (split) or bs.
+    ``bs`` may be a symbolic size (a trace's)."""
+    from ._ext import module
+
+    require_kernels(device)
+    device = torch.device(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    max_parts = (module().plan_target_parts(idx, s_q, h_q) + bs) if split else bs
+    return (2 + 2 * bs + 7) // 8 * 8 + 8 * max_parts + 2
+
+
 def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:
     """Whether the split planner can split a batch of ``bs`` sequences that
     all have ONE length (a decode step's). It cannot once bs is at least its
@@ -242,11 +256,16 @@ def kv_rows_bf16(kv, block_table, b, L):
 if kernels_built():
     @torch.library.register_fake("mla_decode::plan")
     def _plan_fake(seqlens, s_q, h_q, capacity, split=True):
-        # int32 [plan_size(bs, max parts)]: the parts depend on the GPU's SM count, so the length is
-        # data-dependent for tracing; it holds at least the header's 2 ints and 2 per sequence (what
-        # get_mla_metadata slices: told so, a trace knows num_splits is [bs + 1])
+        # int32 [plan_size(bs, max_parts)] (csrc/kernels/attention/plan.h): max_parts = the planner's
+        # target parts (from the GPU's SM count and the kernel's blocks per SM) + bs, or bs unsplit. On a
+        # GPU the size is known while tracing, so torch.compile(fullgraph=True) needs no dynamic output
+        # shapes. Elsewhere (CPU tensors, which the op refuses at run time) it is left data-dependent,
+        # bounded below by the header's 2 ints and 2 per sequence (what get_mla_metadata slices).
+        bs = seqlens.shape[0]
+        if seqlens.device.type == "cuda" and isinstance(s_q, int) and isinstance(h_q, int):
+            return seqlens.new_empty(plan_elems(bs, s_q, h_q, split, seqlens.device), dtype=torch.int32)
         n = torch.library.get_ctx().new_dynamic_size()
-        torch._check(n >= 2 + 2 * seqlens.shape[0])
+        torch._check(n >= 2 + 2 * bs)
         return seqlens.new_empty(n, dtype=torch.int32)
 
     @torch.library.register_fake("mla_decode::attention")

@@ -237,8 +237,9 @@ def test_plan_and_attention_trace_with_fake_tensors():
 
 @pytest.mark.skipif(not mla_decode._ext.kernels_built(), reason="the extension is not built")
 def test_serving_metadata_traces_with_its_split_count_known():
-    """get_mla_metadata's num_splits is [b + 1] to a tracer, as flash_mla_with_kvcache checks it: the plan's
-    length is data-dependent, but the fake says it holds at least the 2 + 2 b ints num_splits is sliced from
+    """get_mla_metadata's num_splits is [b + 1] to a tracer, as flash_mla_with_kvcache checks it: on CPU
+    tensors (no GPU to ask its SM count) the plan's length is data-dependent, but the fake says it holds at
+    least the 2 + 2 b ints num_splits is sliced from
     (without that bound the check `num_splits.shape != (b + 1,)` cannot be decided while tracing:
     "Could not guard on data-dependent expression")."""
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -63,9 +63,11 @@ def test_serving_partial_key_halves_at_every_boundary(block_size):
         run_case(lens, block_size, h_q, 1, causal=False, seed=block_size + h_q)
 
 
-def test_serving_api_under_torch_compile_fullgraph():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_serving_api_under_torch_compile_fullgraph(dynamic):
     """get_mla_metadata and flash_mla_with_kvcache compiled as one graph (FlashMLA's calling code under
-    torch.compile): the plan's length is data-dependent, so this needs dynamic output shapes captured."""
+    torch.compile), with no dynamo setting: on a GPU the plan's fake knows its length (the batch symbolic
+    with dynamic=True), so nothing in the trace is data-dependent."""
     lens = [300, 77, 1, 128, 0, 641]
     q, pages, table, seqlens = make_paged(lens, 64, seed=5)
     k_cache = pages.unsqueeze(2)
@@ -75,10 +77,27 @@ def test_serving_api_under_torch_compile_fullgraph():
         return flash_mla_with_kvcache(q, k_cache, table, seqlens, 512, meta, splits)
 
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        out, lse = torch.compile(step, fullgraph=True)(q, k_cache, table, seqlens)
+    out, lse = torch.compile(step, fullgraph=True, dynamic=dynamic)(q, k_cache, table, seqlens)
     ro, rl = attention_reference(q, pages, seqlens, 576 ** -0.5, block_table=table, dtype=torch.float32)
     check(out, lse, ro.double(), rl.double(), "torch.compile(fullgraph=True)")
+
+
+def test_plan_fake_has_the_plans_length():
+    """The plan op's fake (what a trace sees) gives the length the op makes, for batches below and above
+    the target parts, split or not, and head counts that change the head blocks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mla_decode.attention import plan_elems
+
+    for bs in (1, 7, 66, 131, 1000):
+        for s_q, h_q in ((1, 128), (1, 16), (2, 64), (4, 32)):
+            for split in (True, False):
+                seqlens = torch.full((bs,), 300, dtype=torch.int32, device="cuda")
+                real = torch.ops.mla_decode.plan(seqlens, s_q, h_q, 4096, split)
+                assert real.numel() == plan_elems(bs, s_q, h_q, split, seqlens.device), (bs, s_q, h_q, split)
+                with FakeTensorMode() as mode:
+                    fake = torch.ops.mla_decode.plan(mode.from_tensor(seqlens), s_q, h_q, 4096, split)
+                assert fake.shape == real.shape, (bs, s_q, h_q, split)
 
 
 def test_serving_flashmla_batch():
