@@ -300,6 +300,10 @@ MLA_DEVICE float fast_log2(float x) {
 }
 
 MLA_DEVICE float neg_inf() { return -__builtin_inff(); }
+// The maximum an online softmax subtracts before exp2: m, or 0 for a row that
+// has seen no key yet (m = -inf), whose exponentials are 0 either way (-inf - -inf
+// would be NaN).
+MLA_DEVICE float exp2_base(float m) { return m == neg_inf() ? 0.f : m; }
 
 // Programmatic dependent launch (NVIDIA sm_90+; no-ops elsewhere and when
 // the kernel was not launched as a dependent). pdl_wait: everything the

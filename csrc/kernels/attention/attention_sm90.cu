@@ -205,7 +205,7 @@ MLA_DEVICE void mask_scale_max(float (&s)[32], int key0, int t4, int lim0, int l
 // bf16 values would put its rounding (up to 2^-9) into l and the LSE.
 template <bool kF16>
 MLA_DEVICE void exp_pack(float (&s)[32], uint32_t (&pa)[16], float m0, float m1, float& sum0, float& sum1) {
-  const float mu0 = m0 == neg_inf() ? 0.f : m0, mu1 = m1 == neg_inf() ? 0.f : m1;
+  const float mu0 = exp2_base(m0), mu1 = exp2_base(m1);
   sum0 = 0.f;
   sum1 = 0.f;
 #pragma unroll
@@ -1126,7 +1126,7 @@ struct Sm90Block {
         const float v0 = s_t[r0], v1 = s_t[r1];
         const float n0 = lazy_max(m_a, v0), n1 = lazy_max(m_b, v1);
         const float c0 = rescale(m_a, n0), c1 = rescale(m_b, n1);
-        const float e0 = fast_exp2(v0 - (n0 == neg_inf() ? 0.f : n0)), e1 = fast_exp2(v1 - (n1 == neg_inf() ? 0.f : n1));
+        const float e0 = fast_exp2(v0 - exp2_base(n0)), e1 = fast_exp2(v1 - exp2_base(n1));
         // every row sum covers both warpgroups' keys once: warpgroup 0 adds this one
         l_a = l_a * c0 + (wg == 0 ? e0 : 0.f);
         l_b = l_b * c1 + (wg == 0 ? e1 : 0.f);
