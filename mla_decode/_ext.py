@@ -63,6 +63,12 @@ def _build_runs_on(idx: int) -> bool:
     return any(a.rstrip("a") == f"sm_{major}{minor}" for a in archs)
 
 
+def device_index(device) -> int:
+    """The CUDA index of ``device`` ("cuda" alone: the current GPU)."""
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def kernels_usable(device="cuda") -> bool:
     """True when the compiled kernels can run on ``device`` (default: the
     current GPU): the extension imports, a GPU is visible, and the build
@@ -70,7 +76,7 @@ def kernels_usable(device="cuda") -> bool:
     device = torch.device(device)
     if _C is None or device.type != "cuda" or not torch.cuda.is_available():
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     ok = _USABLE.get(idx)
     if ok is None:
         ok = _USABLE[idx] = _build_runs_on(idx)
@@ -90,7 +96,7 @@ def backend(device=None) -> str:
     if not torch.cuda.is_available():
         return f"torch-fallback (no GPU visible; kernels built for {_C.platform} {_C.archs})"
     name = torch.cuda.get_device_name(device)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     if not kernels_usable(device):
         cap = ".".join(map(str, torch.cuda.get_device_capability(idx))) if torch.version.hip is None else ""
         return (f"torch-fallback (the kernels are built for {_C.archs}, not for {name}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ext import kernels_built, require_kernels
+from ._ext import device_index, kernels_built, require_kernels
 from .fp8 import FP8_DTYPES
 
 __all__ = ["mla_attention", "mla_combine", "attention_reference", "rope_table", "check_attention_shape",
@@ -52,8 +52,7 @@ def plan_elems(bs, s_q: int, h_q: int, split: bool, device):
     from ._ext import module
 
     require_kernels(device)
-    device = torch.device(device)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     max_parts = (module().plan_target_parts(idx, s_q, h_q) + bs) if split else bs
     return (2 + 2 * bs + 7) // 8 * 8 + 8 * max_parts + 2
 
@@ -68,8 +67,7 @@ def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:
     from ._ext import module
 
     require_kernels(device)
-    device = torch.device(device)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = device_index(device)
     return module().splits_possible(idx, bs, s_q, h_q)
 
 

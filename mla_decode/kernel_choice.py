@@ -122,13 +122,8 @@ def reload_settings() -> Settings:
     return _settings
 
 
-def _index(device) -> int:
-    device = torch.device(device)
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _facts(device):
-    idx = _index(device)
+    idx = _ext.device_index(device)
     f = _device_facts.get(idx)
     if f is None:
         info = _ext.attention_info(idx)
@@ -152,7 +147,7 @@ def sm_count(device) -> int:
 
 def attention_kernel(device) -> str:
     """"hopper" or "portable": the attention kernel the extension runs on device."""
-    return _ext.attention_info(_index(device)).kernel
+    return _ext.attention_info(_ext.device_index(device)).kernel
 
 
 def _aligned(t) -> bool:
