@@ -15,7 +15,7 @@ import mla_decode
 pytestmark = pytest.mark.skipif(not mla_decode._ext.kernels_built(), reason="the extension is not built here")
 
 DEFAULTS = dict(attn_kernel="", portable_rows=0, plan_p0=False, tma=True, persist=True, attn_ctas=0, pdl=True,
-                tma_l2_promo=256, gemm_mw=0, gemm_splits=0, gemm_group=0, step_graph=True, step_graph_trace=0)
+                gemm_mw=0, gemm_splits=0, gemm_group=0, step_graph=True, step_graph_trace=0)
 
 READ = "import json, mla_decode; print(json.dumps(mla_decode._ext.module().switches()))"
 
@@ -37,9 +37,9 @@ def test_each_switch_is_read():
     env = {"MLA_DECODE_ATTN_KERNEL": "portable", "MLA_DECODE_PORTABLE_ROWS": "32", "MLA_DECODE_PLAN_P0": "1",
            "MLA_DECODE_TMA": "0", "MLA_DECODE_PERSIST": "0", "MLA_DECODE_ATTN_CTAS": "100", "MLA_DECODE_PDL": "0",
            "MLA_DECODE_GEMM_MW": "1", "MLA_DECODE_GEMM_SPLITS": "3", "MLA_DECODE_GEMM_GROUP": "2",
-           "MLA_DECODE_STEP_GRAPH": "0", "MLA_DECODE_STEP_GRAPH_TRACE": "2", "MLA_DECODE_TMA_L2_PROMO": "128"}
+           "MLA_DECODE_STEP_GRAPH": "0", "MLA_DECODE_STEP_GRAPH_TRACE": "2"}
     assert switches_in(env) == dict(attn_kernel="portable", portable_rows=32, plan_p0=True, tma=False, persist=False,
-                                    attn_ctas=100, pdl=False, tma_l2_promo=128, gemm_mw=1, gemm_splits=3, gemm_group=2,
+                                    attn_ctas=100, pdl=False, gemm_mw=1, gemm_splits=3, gemm_group=2,
                                     step_graph=False, step_graph_trace=2)
 
 
@@ -51,8 +51,7 @@ def test_off_switches_take_only_zero_and_are_read_once():
             "os.environ['MLA_DECODE_TMA'] = '0'\n"  # too late: read once, at the first call
             "b = C.switches()\n"
             "print(json.dumps(dict(a=a, same=a == b)))")
-    r = switches_in({"MLA_DECODE_PDL": "1", "MLA_DECODE_TMA": "off", "MLA_DECODE_PLAN_P0": "0",
-                     "MLA_DECODE_TMA_L2_PROMO": "96"}, code)
+    r = switches_in({"MLA_DECODE_PDL": "1", "MLA_DECODE_TMA": "off", "MLA_DECODE_PLAN_P0": "0"}, code)
     assert r["same"] and r["a"] == DEFAULTS
 
 

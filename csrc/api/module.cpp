@@ -37,7 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["persist"] = s.persist;
         d["attn_ctas"] = s.attn_ctas;
         d["pdl"] = s.pdl;
-        d["tma_l2_promo"] = s.tma_l2_promo;
         d["gemm_mw"] = s.gemm_mw;
         d["gemm_splits"] = s.gemm_splits;
         d["gemm_group"] = s.gemm_group;

@@ -21,7 +21,6 @@ struct Switches {
   bool persist;             // MLA_DECODE_PERSIST=0: one Hopper block per work item, not persistent blocks
   int attn_ctas;            // MLA_DECODE_ATTN_CTAS: at most this many persistent blocks (0: one per slot)
   bool pdl;                 // MLA_DECODE_PDL=0: no programmatic dependent launches
-  int tma_l2_promo;         // MLA_DECODE_TMA_L2_PROMO=0|64|128|256: the TMA maps' L2 promotion in bytes (256)
   // projections (csrc/kernels/projections/gemm_sm90.cu)
   int gemm_mw;              // MLA_DECODE_GEMM_MW: force the skinny GEMM's tile width (1 or 2; 0: chosen)
   int gemm_splits;          // MLA_DECODE_GEMM_SPLITS: force its split count (0: chosen)
@@ -51,10 +50,6 @@ inline Switches read_switches() {
   s.persist = !env_off("MLA_DECODE_PERSIST");
   s.attn_ctas = env_int("MLA_DECODE_ATTN_CTAS");
   s.pdl = !env_off("MLA_DECODE_PDL");
-  {
-    const int v = env_int("MLA_DECODE_TMA_L2_PROMO");  // (an unset or other value keeps 256)
-    s.tma_l2_promo = std::getenv("MLA_DECODE_TMA_L2_PROMO") != nullptr && (v == 0 || v == 64 || v == 128) ? v : 256;
-  }
   s.gemm_mw = env_int("MLA_DECODE_GEMM_MW");
   s.gemm_splits = env_int("MLA_DECODE_GEMM_SPLITS");
   s.gemm_group = env_int("MLA_DECODE_GEMM_GROUP");

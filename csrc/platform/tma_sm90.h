@@ -4,7 +4,6 @@
 // wide. Shared by the attention and the projection kernels.
 #pragma once
 
-#include "switches.h"
 #include "vendor.h"
 
 #if MLA_NVIDIA
@@ -27,16 +26,6 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The L2 promotion of the maps below (switches().tma_l2_promo bytes).
-inline CUtensorMapL2promotion l2_promotion() {
-  switch (switches().tma_l2_promo) {
-    case 0: return CU_TENSOR_MAP_L2_PROMOTION_NONE;
-    case 64: return CU_TENSOR_MAP_L2_PROMOTION_L2_64B;
-    case 128: return CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-    default: return CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-  }
-}
-
 // A [d2][d1][d0] tensor of 16-bit elements (strides s1, s2 in elements) as
 // boxes of 64 x box_rows x 1, 128-byte swizzle; box elements past d0 (or d1)
 // read as zeros. False if TMA cannot describe it (base or a stride not
@@ -44,8 +33,7 @@ inline CUtensorMapL2promotion l2_promotion() {
 // box_past_end, box_rows > d1.
 // The maps a thread encoded last are kept (a map is plain data describing
 // addresses and sizes, the same on every device), so repeated calls on the
-// same tensors skip the driver's encoder. L2 promotion: 256 bytes unless
-// MLA_DECODE_TMA_L2_PROMO says otherwise (a measurement switch).
+// same tensors skip the driver's encoder.
 inline bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1,
                         int64_t s2, int box_rows, bool box_past_end = false) {
   const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
@@ -75,7 +63,7 @@ inline bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t 
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(s1 * 2), static_cast<cuuint64_t>(s2 * 2)};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1}, elem[3] = {1, 1, 1};
   if (enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
-          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2_promotion(),
+          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
   keys[next] = key;
