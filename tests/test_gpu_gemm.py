@@ -118,6 +118,8 @@ def test_bad_operands_raise_and_write_nothing():
     y = torch.full((257, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="1 to 256 rows"):
         torch.ops.mla_decode.gemm_nt(x, w, y)
+    with pytest.raises(ValueError, match="1 to 256 rows"):
+        torch.ops.mla_decode.gemm_nt(x[:0], w, y[:0])
     with pytest.raises(ValueError, match="x's k"):
         torch.ops.mla_decode.gemm_nt(x[:4], w[:, :32], y[:4])
     with pytest.raises(ValueError, match=r"\[m, n\]"):

@@ -168,10 +168,9 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
   if (row_pos1.has_value() && !w1.has_value()) fail_value("gemm_nt: row_pos1 needs w1 and y1");
   check_dtype(x, "x", at::kBFloat16);
   const Mat mx = as_mat(x, "x");
-  if (mx.rows < 1 || mx.rows > 256 || mx.cols < 1)
-    fail_value("gemm_nt: x must have 1 to 256 rows and k >= 1, got " + shape_str(x));
-  if (mx.cols > INT32_MAX || mx.batch > 65535)
-    fail_value("gemm_nt: k must fit int32 and the batch be at most 65535, got " + shape_str(x));
+  // (the size rules are the kernel's own, gemm_sm90_sizes, asked at the end; this keeps the int casts exact)
+  if (mx.rows > INT32_MAX || mx.cols > INT32_MAX || mx.batch > INT32_MAX)
+    fail_value("gemm_nt: x's dimensions must fit int32, got " + shape_str(x));
   GemmParams p{};
   p.x = reinterpret_cast<const bf16_t*>(x.data_ptr());
   p.x_row_stride = mx.rs;
@@ -191,6 +190,7 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
     check_dtype(w, wn, at::kBFloat16);
     check_dtype(y, yn, at::kBFloat16);
     const Mat mw = as_mat(w, wn);
+    if (mw.rows > INT32_MAX) fail_value(std::string(wn) + "'s rows must fit int32, got " + shape_str(w));
     if (mw.cols != mx.cols || mw.batch != mx.batch || (w.dim() == 3) != (x.dim() == 3))
       fail_value(std::string(wn) + " must be [n, k] (or [batch, n, k] with x's batch) with x's k = " + num(mx.cols) +
                  ", got " + shape_str(w) + " for x " + shape_str(x));
@@ -218,6 +218,9 @@ GemmParams gemm_params(const at::Tensor& x, const at::Tensor& w0, const at::Tens
       s.y_batch_stride = my.bs;
     }
   }
+  if (const char* e = gemm_sm90_sizes(p.m, p.k, p.batch, p.nseg, p.seg[0].n, p.nseg > 1 ? p.seg[1].n : 0))
+    fail_value(std::string(e) + "; got x " + shape_str(x) + ", w0 " + shape_str(w0) +
+               (w1.has_value() ? ", w1 " + shape_str(*w1) : std::string()));
   return p;
 }
 
