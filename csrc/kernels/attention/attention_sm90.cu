@@ -899,10 +899,12 @@ struct Sm90Block {
       pv_regs<T::kN, kF16>(o, pa, dv0_of(W0{}) + so);
       wg::commit();
       wg::wait<0>();
-      if (refill) load_half(jp + kStages, 0, 0, kHB, false, kMbK0a);  // K0 blocks [0, kHB): read by nothing else now
       store_id(jp + kStages + 1, t, next_id);
       // warpgroup 1's max -> P0 rescaled for it
       wg::named_sync(kBarM1, 256);
+      // K0 blocks [0, kHB): read by nothing else now (issued after warpgroup 1's
+      // max, as FlashMLA issues it: measured faster than right after P0 V0L)
+      if (refill) load_half(jp + kStages, 0, 0, kHB, false, kMbK0a);
       // last pair: both warpgroups' S products are done, Q is free -> the next item's
       if (kDv == 512 && !more && t == 0 && maps.use_q && next_b >= 0) {
         issue_q(next_b, (next_item % hblocks) * kRB);
@@ -976,7 +978,6 @@ struct Sm90Block {
       softmax_step<kF16>(s, pa, o, n0, n1, m_a, m_b, l_a, l_b);
       store_p(p_mine(jp), pa, r0, r1, t4);
       wg::fence_proxy_async();
-      wg::named_arrive(kBarP1, 256);
       // O_R += P1 V1R, then += P0' V0R once warpgroup 0 has stored P0'
       if (!half_empty(jp, 1)) {  // P1 == 0 otherwise
         if (half_partial(jp, 1)) zero_past_len(jp, 1, kHB, kNB);
@@ -989,6 +990,9 @@ struct Sm90Block {
       wg::fence();
       pv_smem<T::kN, kF16>(o, dp_other_of(W1{}) + so, dv0_of(W1{}) + so);
       wg::commit();
+      // P1 stored, and both of this warpgroup's P V products issued before
+      // warpgroup 0 issues its P1 V1L and the next S0 (FlashMLA's order)
+      wg::named_arrive(kBarP1, 256);
       wg::wait<1>();  // P1 V1R done: K1 blocks [kHB, kNB) are free
       if (refill) load_half(jp + kStages, 1, kHB, kNB, false, kMbK1b);
       wg::wait<0>();  // P0 V0R done: K0 blocks [kHB, kNB] (the rope block held P0) are free
