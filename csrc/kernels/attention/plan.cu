@@ -146,18 +146,9 @@ __device__ void fixed_chunks(const PlanParams& p, int own_tiles, int total, int 
     p.plan[kPlanSeqBase + 2 * b] = n;
     p.plan[kPlanSeqBase + 2 * b + 1] = first;
     const int all = L > 0 ? (L + p.tile - 1) / p.tile : 0;  // (t, or one more: the one-key tile)
-    int32_t* parts = p.plan + plan_part_base(p.bs);
-    for (int s = 0; s < n; ++s) {
-      int32_t* out = parts + kPartInts * (s == n - 1 ? last_at : chunk0 + s);
-      out[0] = b;
-      out[1] = s * c;
-      out[2] = s == n - 1 ? all : (s + 1) * c;
-      out[3] = s;
-      out[4] = n;
-      out[5] = first;
-      out[6] = L;
-      out[7] = 0;
-    }
+    for (int s = 0; s < n; ++s)
+      write_part(p.plan, p.bs, s == n - 1 ? last_at : chunk0 + s, b, s * c, s == n - 1 ? all : (s + 1) * c, s, n,
+                 first, L);
   }
   if (tid == 0) {
     p.plan[0] = nparts;
@@ -330,17 +321,9 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(const PlanParams p) 
       const int per_split = (tiles + n - 1) / n;
       const int L = len_of(b);
       const int all = len_tiles(L);  // (tiles, or one more: the last part ends with the one-key tile)
-      int32_t* out = p.plan + plan_part_base(p.bs) + kPartInts * first;
-      for (int s = 0; s < n; ++s, out += kPartInts) {
-        out[0] = b;
-        out[1] = min(s * per_split, tiles);
-        out[2] = s == n - 1 ? all : min((s + 1) * per_split, tiles);
-        out[3] = s;
-        out[4] = n;
-        out[5] = first;
-        out[6] = L;
-        out[7] = 0;
-      }
+      for (int s = 0; s < n; ++s)
+        write_part(p.plan, p.bs, first + s, b, min(s * per_split, tiles),
+                   s == n - 1 ? all : min((s + 1) * per_split, tiles), s, n, first, L);
     }
     carry += scan[nt - 1];
     sync_threads();

@@ -53,6 +53,15 @@ struct PlanParams {
                            // a row per call, 0 for calls that repeat one length on fresh caches)
 };
 
+// Part `at` of the plan (read back by read_part, part.h): sequence b's tiles
+// [begin, end), split s of its n, the sequence's first part, its length L.
+MLA_HOST_DEVICE void write_part(int32_t* plan, int bs, int at, int b, int begin, int end, int s, int n, int first,
+                                int L) {
+  int4* out = reinterpret_cast<int4*>(plan + plan_part_base(bs) + kPartInts * at);  // (32-byte aligned)
+  out[0] = make_int4(b, begin, end, s);
+  out[1] = make_int4(n, first, L, 0);
+}
+
 // The plan plan_kernel makes with no_split when every one of the p.bs
 // sequences has length p.fill_len (a decode step's batch), and the lengths
 // into p.fill_lens: the same ints, written by threads `lane` of `lanes` of a
@@ -63,14 +72,11 @@ struct PlanParams {
 MLA_HOST_DEVICE void write_uniform_plan(const PlanParams& p, int lane, int lanes) {
   const int L = p.fill_len < 0 ? 0 : (p.fill_len > p.max_len ? p.max_len : p.fill_len);
   const int tiles = L > 0 ? (L + p.tile - 1) / p.tile : 0;
-  int32_t* const parts = p.plan + plan_part_base(p.bs);
   for (int b = lane; b < p.bs; b += lanes) {
     p.fill_lens[b] = p.fill_len;
     p.plan[kPlanSeqBase + 2 * b] = 1;      // splits
     p.plan[kPlanSeqBase + 2 * b + 1] = b;  // first part
-    int4* out = reinterpret_cast<int4*>(parts + kPartInts * b);  // (32-byte aligned: plan_part_base)
-    out[0] = make_int4(b, 0, tiles, 0);  // sequence, first tile, end tile, split index
-    out[1] = make_int4(1, b, L, 0);      // splits, first part, length
+    write_part(p.plan, p.bs, b, b, 0, tiles, 0, 1, b, L);
   }
   if (lane == 0) {
     p.plan[0] = p.bs;
