@@ -381,6 +381,10 @@ def test_attention_plan_made_once_serves_many_calls():
         mla_attention(q, kv, seqlens, 0.07, plan=short)
     with pytest.raises(TypeError, match="plan"):
         mla_attention(q, kv, seqlens, 0.07, plan=plan.float())
+    shifted = torch.zeros(plan.numel() + 1, dtype=torch.int32, device="cuda")[1:]  # contiguous, 4 bytes off
+    shifted.copy_(plan)
+    with pytest.raises(ValueError, match="plan must be 16-byte aligned"):
+        mla_attention(q, kv, seqlens, 0.07, plan=shifted)
     # per-head rope keys: on the Hopper kernel 32-row work items, not what the plan op plans for (refused);
     # the portable kernel splits them as it splits the rope-in-key shape, so the plan serves them
     kv_lat = kv[:, :8, :DV].contiguous()

@@ -343,6 +343,9 @@ void enqueue_attention(const AttnCall& c) {
                 ("[" + num(size) + "] (plan(seqlens, s_q, h_q, capacity, split=" + (split ? "True" : "False") +
                  ") for this call: a plan made with the other split setting has the other size)")
                     .c_str());
+    if (offset16(pt) != 0)
+      fail_value("plan must be 16-byte aligned (the kernels read its parts as 16-byte vectors), got a view at byte "
+                 "offset " + num(offset16(pt)) + " from 16-byte alignment");
     pl = {pt, parts};
   } else {
     pl = make_plan(seqlens, s_q, h_q, kl.capacity, info, stream, split);
