@@ -44,6 +44,12 @@ def rope_table(max_positions: int, rope: int = ROPE, device="cpu") -> torch.Tens
     return torch.cat([cos[:, : rope // 2], sin[:, : rope // 2]], dim=-1).contiguous()
 
 
+def plan_part_base(bs):
+    """Where a plan's parts begin (int32 elements; plan.h's plan_part_base): after the 2-int header and
+    2 ints per sequence, rounded up to 32 bytes. ``bs`` may be a symbolic size."""
+    return (2 + 2 * bs + 7) // 8 * 8
+
+
 def plan_elems(bs, s_q: int, h_q: int, split: bool, device):
     """The length (int32 elements) of ``torch.ops.mla_decode.plan(seqlens, s_q,
     h_q, capacity, split)`` for ``bs`` sequences on ``device``: plan.h's
@@ -54,7 +60,7 @@ def plan_elems(bs, s_q: int, h_q: int, split: bool, device):
     require_kernels(device)
     idx = device_index(device)
     max_parts = (module().plan_target_parts(idx, s_q, h_q) + bs) if split else bs
-    return (2 + 2 * bs + 7) // 8 * 8 + 8 * max_parts + 2
+    return plan_part_base(bs) + 8 * max_parts + 2
 
 
 def splits_possible(bs: int, s_q: int, h_q: int, device) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 import mla_decode
 from mla_decode import attention_reference, mla_attention, mla_combine, rope_table
+from mla_decode.attention import plan_part_base
 
 from conftest import load_plan_model, needs_gpu, rel_err
 
@@ -295,7 +296,7 @@ def test_planner_cut_is_the_documented_one():
             want = [(b, s0, tiles[b] if s == n - 1 else s1, s, n) for b, s0, s1, s, n in want]
             seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
             p = torch.ops.mla_decode.plan(seqlens, 1, h_q, max(lens)).cpu()
-            base = (2 + 2 * bs + 7) // 8 * 8  # plan layout: plan.h
+            base = plan_part_base(bs)
             got = [tuple(int(v) for v in p[base + 8 * i: base + 8 * i + 5]) for i in range(int(p[0]))]
             assert int(p[1]) == c and got == want, f"h_q {h_q}, lens {lens}: chunk {int(p[1])} (model {c})"
             checked += 1
