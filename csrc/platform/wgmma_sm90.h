@@ -109,19 +109,6 @@ MLA_DEVICE void mbar_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
-// Bulk copy (TMA engine, no tensor map) of `bytes` (a multiple of 16, both
-// addresses 16-byte aligned) from shared to global memory, in the thread's
-// bulk group; commit, then wait until the shared source has been read (the
-// buffer may be reused) or until the writes are done.
-MLA_DEVICE void bulk_store(void* gdst, const void* ssrc, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(reinterpret_cast<uint64_t>(gdst)),
-               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ssrc))), "r"(bytes)
-               : "memory");
-}
-MLA_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-MLA_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-MLA_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
 }  // namespace mla::wg
 #endif  // MLA_NVIDIA
 

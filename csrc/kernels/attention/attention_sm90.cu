@@ -39,7 +39,7 @@
 // atomic counter one pair before its current item ends; the mbarrier phases
 // run on across items. Q comes by TMA, the next item's issued as soon as the
 // last S of the current item is done; O (or the fp32 partial) goes out
-// through shared memory by bulk copies that overlap the next item. The
+// through shared memory, copied out by every thread in 16-byte stores. The
 // planner -> attention -> combine launches are programmatic dependents.
 //
 // Rope widths below 64 (8, 16, 32): only the first `rope` columns of block
@@ -344,11 +344,11 @@ MLA_DEVICE void store_lse(const AttnParams& p, int wg, int t4, int r0, int r1, i
   }
 }
 
-// O out through shared memory (the key buffers at k_s), then one bulk copy
-// per row: 16-byte-aligned rows of the output are contiguous in o / o_part.
+// O out through shared memory (the key buffers at k_s), then copied out by
+// every thread: the item's rows are contiguous in o / o_part.
 // stage_o: this thread's O values, normalised, into the padded rows (elt
-// bytes each, from column col0); then the stores are visible to the bulk
-// copies of every thread.
+// bytes each, from column col0); then the stores are visible to every
+// thread.
 template <typename T, bool kF16>
 MLA_DEVICE void stage_o(unsigned char* k_s, int r0, int r1, const float (&o)[T::kORegs], float inv0, float inv1,
                         bool fin, int orow_bytes, int elt, int col0) {
@@ -367,18 +367,31 @@ MLA_DEVICE void stage_o(unsigned char* k_s, int r0, int r1, const float (&o)[T::
         *reinterpret_cast<float2*>(srow + 32 * jn) = make_float2(o[4 * jn + 2 * h] * sc, o[4 * jn + 2 * h + 1] * sc);
     }
   }
-  wg::fence_proxy_async();  // the stores above -> the bulk copies (async proxy)
   sync_threads();
 }
-// copy_out_row: row `tid` of the item (threads 0..kRB-1), one bulk copy of dvm values.
-MLA_DEVICE void copy_out_row(const AttnParams& p, const unsigned char* k_s, int tid, int row_base, int b, int dvm,
-                             bool fin, int64_t prow, int elt, int orow_bytes) {
-  const int64_t r = row_base + tid;
-  void* dst = fin ? static_cast<void*>(p.o + (static_cast<int64_t>(b) * p.rows + r) * dvm)
-                  : static_cast<void*>(p.o_part + (prow + r) * dvm);
-  wg::bulk_store(dst, k_s + tid * orow_bytes, dvm * elt);  // (dv 64 on the dv 128 kernel: warpgroup 0's columns)
-  wg::bulk_commit();
-  wg::bulk_wait_read();  // before the next item's loads overwrite the key buffers (its prologue syncs)
+// copy_out_rows: the item's staged rows (those below p.rows) by every thread,
+// 16 bytes each, consecutive threads on consecutive chunks (the rows of an
+// item are contiguous in o / o_part; a row is dv 64-512 values of 2 or 4
+// bytes: a power of two of 16-byte chunks). Each thread's shared-memory
+// reads are done once its global stores issue; the fence orders them before
+// the next item's TMA loads into the key buffers (its prologue syncs).
+// (Bulk copies of the rows, waited for until the TMA engine had read them,
+// held every block's next item about 1 us longer at L 513.)
+MLA_DEVICE void copy_out_rows(const AttnParams& p, const unsigned char* k_s, int tid, int nthreads, int kRB, int row_base,
+                              int b, int dvm, bool fin, int64_t prow, int elt, int orow_bytes) {
+  const int row_bytes = dvm * elt;
+  const int sh = __ffs(row_bytes / 16) - 1;  // chunks per row: a power of two
+  const int nrows = min(kRB, p.rows - row_base);
+  const int total = nrows << sh;
+  unsigned char* dst = fin ? reinterpret_cast<unsigned char*>(p.o + (static_cast<int64_t>(b) * p.rows + row_base) * dvm)
+                           : reinterpret_cast<unsigned char*>(p.o_part + (prow + row_base) * dvm);
+#pragma unroll 4
+  for (int i = tid; i < total; i += nthreads) {
+    const int r = i >> sh, c = i & ((1 << sh) - 1);
+    const uint4 v = *reinterpret_cast<const uint4*>(k_s + r * orow_bytes + 16 * c);
+    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * row_bytes + 16 * c) = v;
+  }
+  wg::fence_proxy_async();
 }
 
 // Every block has taken its last item (thread 0 did every grab): the last
@@ -1161,13 +1174,13 @@ struct Sm90Block {
       const int elt = fin ? 2 : 4;
       const int orow_bytes = T::kOutRowBytes(elt);
       stage_o<T, kF16>(k_s, r0, r1, o, inv0, inv1, fin, orow_bytes, elt, col0);
-      if (tid < kRB && row_base + tid < p.rows) copy_out_row(p, k_s, tid, row_base, b, dvm, fin, prow, elt, orow_bytes);
+      copy_out_rows(p, k_s, tid, T::kThreads, kRB, row_base, b, dvm, fin, prow, elt, orow_bytes);
       // The combine may launch once every block has issued its first item's
       // output: triggered at the row sums it ran slower where it merges many
       // splits (docs/attention.md, "When the combine may launch")
       pdl_trigger();
       if (nlat < kNB) {  // the staged output covered the dead latent blocks
-        sync_threads();   // (the bulk copies have read it)
+        sync_threads();   // (every thread has read it)
         zero_dead_blocks<T>(q_s, nlat, tid);
       }
       gbase += npairs;
@@ -1176,7 +1189,6 @@ struct Sm90Block {
       if (item < 0) break;
     }  // work items
     release_plan(p, ctr, tid);
-    wg::bulk_wait_all();
   }
 };
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
