@@ -4,9 +4,9 @@ against the float64 (or float32) reference on the dequantized cache, NaN in
 every row past a length and in unused pages, invalid ids in unused
 block-table slots, variable lengths, s_q 1-4 causal, h_q 16-128, pages of
 1-64 rows, under a CUDA graph with lengths and block tables changed in place,
-and rows appended by fp8_append_paged. Bound: the bf16 path's (check): the
-kernel multiplies the e4m3 values themselves (exact in bf16) and applies the
-scale in fp32."""
+rows appended by fp8_append_paged, and every finite code decoded exactly.
+Bound: the bf16 path's (check): the kernel multiplies the e4m3 values
+themselves (exact in bf16) and applies the scale in fp32."""
 
 import pytest
 import torch
@@ -99,6 +99,29 @@ def test_fp8_rows_appended_by_fp8_append_paged():
     for b, L in enumerate(lens):
         pid, r = table[b, L // 16].item(), L % 16
         assert torch.equal(pages8[pid, r].view(torch.uint8), quant(new_rows[b]).view(torch.uint8))
+
+
+@pytest.mark.parametrize("h_q", [16, 32, 128])
+def test_fp8_every_code_decodes_exactly(h_q):
+    # One key per sequence: its P is exactly 1, so out is its value row times
+    # the scale (a power of two), which bf16 holds exactly: every finite code
+    # of the platform's e4m3 (subnormals and both zeros included) must come
+    # out as its value, bit for bit. Rows past the length hold NaN.
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE)
+    finite = codes[torch.isfinite(codes.float())].view(torch.uint8)
+    rows = torch.stack([finite.roll(k).repeat(3)[:576] for k in (0, 97)])  # two sequences, two orders
+    kv8 = torch.full((2, 3, 576), 0x7F if FP8_KV_DTYPE == torch.float8_e4m3fn else 0x80, dtype=torch.uint8)
+    kv8[:, 0] = rows
+    kv8 = kv8.view(FP8_KV_DTYPE).cuda()
+    g = torch.Generator(device="cuda").manual_seed(h_q)
+    q = (0.01 * torch.randn(2, 1, h_q, 576, device="cuda", generator=g)).to(torch.bfloat16)
+    seqlens = torch.ones(2, dtype=torch.int32, device="cuda")
+    scale = 0.125
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv8, seqlens, 0.1, out=out, lse=lse, kv_scale=scale)
+    want = (rows[:, :512].view(FP8_KV_DTYPE).float() * scale).to(torch.bfloat16).cuda()
+    assert torch.equal(out, want[:, None, None, :].expand_as(out)), (
+        f"h_q {h_q}: {(out != want[:, None, None, :]).sum().item()} values differ from their code's value")
 
 
 def test_fp8_refusals():
