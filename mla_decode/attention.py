@@ -125,10 +125,13 @@ def mla_attention(q, kv, seqlens, softmax_scale, *, block_table=None, rope_cs=No
     stored value stands for value * kv_scale (required then; refused
     otherwise). A Python float, or a one-element tensor read with ``.item()``
     (a GPU tensor: a host sync per call, and refused during graph capture,
-    where the scale is fixed when captured). FP8 runs on the portable kernel (also on Hopper) with bf16 q,
-    d 576 / dv 512 and the keys used as stored (no rope_cs, kpe or
-    kpe_heads); a ``plan`` from the plan op is made for the bf16 kernel and is
-    refused where the two kernels differ (Hopper): pass none there."""
+    where the scale is fixed when captured). FP8 takes bf16 q, d 576 / dv
+    512 and the keys used as stored (no rope_cs, kpe or kpe_heads). On
+    Hopper a dense cache or pages of a multiple of 64 rows run the Hopper
+    kernel's fp8 instances, other pages (and other GPUs) the portable
+    kernel's; a ``plan`` from the plan op is made for the bf16 kernel and is
+    refused where the kernel that runs splits the work differently (the
+    portable kernel on Hopper): pass none there."""
     check_attention_shape(q.shape[-1], head_dim_v)
     require_kernels(q.device)
     kv_scale = _kv_scale(kv, kv_scale)

@@ -108,8 +108,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     kv_scale (keyword; ours, FlashMLA's dense decode has no FP8): with
     k_cache in ``mla_decode.fp8.FP8_KV_DTYPE`` (vLLM's per-tensor FP8 MLA
     cache), its scale, as ``mla_attention``'s; bf16 q, d 576. Such a call
-    runs the portable kernel and plans its own split (the metadata is made
-    for the bf16 kernel).
+    plans its own split (the metadata is made for the bf16 kernel); on
+    Hopper, pages of a multiple of 64 rows run the Hopper kernel's fp8
+    instances, other page sizes the portable kernel's.
 
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32)."""
     if q.dim() != 4:
@@ -147,7 +148,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                          ("block_table", "cache_seqlens", "k_cache"))
     args = (q, k_cache, cache_seqlens, block_table, None, float(softmax_scale), bool(causal), None, int(head_dim_v),
             kpe_cache)
-    if fp8:  # (the portable kernel's fp8 instance; it plans in the call)
+    if fp8:  # (it plans in the call)
         return torch.ops.mla_decode.attention(*args, None, True, scale)
     if kpe_cache is None and head_dim_v == 512 and d == 576:  # the shape get_mla_metadata plans for
         try:  # its plan, with the lengths read now and a work counter of this call's own

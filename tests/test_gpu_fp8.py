@@ -4,13 +4,20 @@ against the float64 (or float32) reference on the dequantized cache, NaN in
 every row past a length and in unused pages, invalid ids in unused
 block-table slots, variable lengths, s_q 1-4 causal, h_q 16-128, pages of
 1-64 rows, under a CUDA graph with lengths and block tables changed in place,
-rows appended by fp8_append_paged, and every finite code decoded exactly.
-Bound: the bf16 path's (check): the kernel multiplies the e4m3 values
-themselves (exact in bf16) and applies the scale in fp32."""
+rows appended by fp8_append_paged, every finite code decoded exactly, q
+beyond fp16's range, and which kernel reads which cache. Bound: the bf16
+path's (check): the kernels multiply the e4m3 values themselves (exact in
+bf16 and fp16) and apply the scale in fp32; the Hopper kernel's fp8
+instances multiply in fp16, q scaled by a power of two into fp16's range."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from mla_decode import kernel_choice
 from mla_decode import attention_reference, flash_mla_with_kvcache, get_mla_metadata, mla_attention, rope_table
 from mla_decode.fp8 import FP8_KV_DTYPE, dequantize_per_tensor, fp8_append_paged, quantize_per_tensor
 
@@ -66,9 +73,10 @@ def test_fp8_serving_paged(block_size, h_q, s_q):
     check(out, lse, ro.double(), rl.double(), f"fp8 serving block {block_size} h_q {h_q} s_q {s_q}")
 
 
-def test_fp8_under_a_cuda_graph_with_lengths_and_tables_changed_in_place():
+@pytest.mark.parametrize("block_size", [16, 64])  # (the portable kernel's fp8 instance; the Hopper kernel's)
+def test_fp8_under_a_cuda_graph_with_lengths_and_tables_changed_in_place(block_size):
     lens = [300, 1000, 64, 2000]
-    q, pages, table, seqlens = make_paged(lens, 16, h_q=64, seed=3)
+    q, pages, table, seqlens = make_paged(lens, block_size, h_q=64, seed=3)
     pages8 = quant(pages)
     out, lse = poisoned_out(q)
     mla_attention(q, pages8, seqlens, 0.07, block_table=table, out=out, lse=lse, kv_scale=KV_SCALE)  # (warm-up)
@@ -84,6 +92,76 @@ def test_fp8_under_a_cuda_graph_with_lengths_and_tables_changed_in_place():
         torch.cuda.synchronize()
         ro, rl = attention_reference(q, deq(pages8), seqlens, 0.07, block_table=table)
         check(out, lse, ro, rl, f"fp8 graph replay lens {new_lens}")
+
+
+@pytest.mark.parametrize("qmul", [1.0, 1e5, 3e6])
+def test_fp8_q_beyond_fp16_range(qmul):
+    # The Hopper kernel's fp8 instances multiply in fp16: q up to 3e6 * 4.5
+    # must be scaled into fp16's range (by a power of two), not overflow.
+    q, kv, seqlens = make_case([700, 4097, 1, 129], h_q=64, seed=5)
+    q = (q.float() * qmul).to(torch.bfloat16)
+    kv8 = quant(kv)
+    sc = 0.08 / qmul
+    ro, rl = attention_reference(q, deq(kv8), seqlens, sc)
+    out, lse = poisoned_out(q)
+    mla_attention(q, kv8, seqlens, sc, out=out, lse=lse, kv_scale=KV_SCALE)
+    check(out, lse, ro, rl, f"fp8 q x {qmul}")
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_fp8_pages_of_a_multiple_of_64(block_size):
+    lens = [300, 1000, 64, 2000, 4097]
+    q, pages, table, seqlens = make_paged(lens, block_size, h_q=128, seed=block_size)
+    p8 = quant(pages)
+    ro, rl = attention_reference(q, deq(p8), seqlens, 0.07, block_table=table)
+    out, lse = poisoned_out(q)
+    mla_attention(q, p8, seqlens, 0.07, block_table=table, out=out, lse=lse, kv_scale=KV_SCALE)
+    check(out, lse, ro, rl, f"fp8 pages of {block_size}")
+
+
+def _kernels_run(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "attention" in e.name and "combine" not in e.name]
+
+
+def test_fp8_kernel_choice():
+    # Where the Hopper kernel runs, it reads an fp8 cache that is dense or in
+    # pages of a multiple of 64 rows (TMA boxes of 64 rows); the portable
+    # kernel's fp8 instance reads pages of other sizes.
+    hopper = kernel_choice.attention_kernel("cuda") == "hopper"
+    q, kv, seqlens = make_case([100, 700], h_q=32, seed=2)
+    kv8 = quant(kv)
+    names = _kernels_run(lambda: mla_attention(q, kv8, seqlens, 0.1, kv_scale=KV_SCALE))
+    assert names, "no attention kernel seen by the profiler"
+    assert all(("attention_sm90_kernel" in n) == hopper for n in names), names
+    q, pages, table, seqlens = make_paged([100, 700], 16, h_q=32, seed=2)
+    p8 = quant(pages)
+    names = _kernels_run(lambda: mla_attention(q, p8, seqlens, 0.1, block_table=table, kv_scale=KV_SCALE))
+    assert names and not any("attention_sm90_kernel" in n for n in names), names
+
+
+def test_fp8_with_tma_switched_off():
+    # MLA_DECODE_TMA=0: the Hopper kernel's fp8 instances read only by TMA, so
+    # an fp8 cache goes to the portable kernel's (not an error). A fresh
+    # process: the switch is read once.
+    code = ("import torch, mla_decode\n"
+            "from mla_decode.fp8 import FP8_KV_DTYPE, dequantize_per_tensor, quantize_per_tensor\n"
+            "g = torch.Generator(device='cuda').manual_seed(4)\n"
+            "q = torch.randn(3, 1, 64, 576, device='cuda', generator=g).bfloat16()\n"
+            "kv = torch.randn(3, 900, 576, device='cuda', generator=g).bfloat16()\n"
+            "lens = torch.tensor([900, 1, 300], dtype=torch.int32, device='cuda')\n"
+            "kv8 = quantize_per_tensor(kv, 0.0125, FP8_KV_DTYPE)\n"
+            "o, l = mla_decode.mla_attention(q, kv8, lens, 0.08, kv_scale=0.0125)\n"
+            "ro, rl = mla_decode.attention_reference(q, dequantize_per_tensor(kv8, 0.0125, torch.float32), lens, 0.08)\n"
+            "print((o.double() - ro).norm().item() / ro.norm().item(), (l.double() - rl).abs().max().item())\n")
+    env = {k: v for k, v in os.environ.items() if k != "MLA_DECODE_TMA"}
+    env["MLA_DECODE_TMA"] = "0"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rel, lse_err = map(float, r.stdout.split()[-2:])
+    assert rel < 8e-3 and lse_err < 2e-3, r.stdout
 
 
 def test_fp8_rows_appended_by_fp8_append_paged():

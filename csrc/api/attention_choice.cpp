@@ -40,8 +40,9 @@ bool hopper_shape(int64_t dv, int64_t rope_in_key, bool rope_on_the_fly) {
          (!rope_on_the_fly || rope_in_key == kRope);
 }
 
-AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, bool fp8) {
-  if (fp8 || !hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
+AttnKernel attn_kernel_for(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, bool fp8, bool fp8_tma) {
+  if (fp8 && !(fp8_tma && dv == 512 && rope == 64 && !rope_on_the_fly)) return AttnKernel::kPortable;
+  if (!hopper_shape(dv, rope, rope_on_the_fly)) return AttnKernel::kPortable;
   static const int forced = [] {
     const std::string& v = switches().attn_kernel;
     if (v.empty()) return -1;
@@ -76,25 +77,25 @@ int shape_index(int64_t dv, int64_t rope) {
 }
 
 const DeviceAttnInfo& device_attn_info(int device, int64_t dv, int64_t rope, bool rope_on_the_fly, int64_t rows,
-                                       bool fp8) {
+                                       bool fp8, bool fp8_tma) {
   static std::mutex mu;
   // per device: shape x RoPE on the fly x the portable head block (16, 32, 64 rows) x fp8 cache
-  static std::array<std::array<DeviceAttnInfo, 12 * kShapes>, 64> cache{};
-  static std::array<std::array<bool, 12 * kShapes>, 64> ready{};
+  static std::array<std::array<DeviceAttnInfo, 18 * kShapes>, 64> cache{};
+  static std::array<std::array<bool, 18 * kShapes>, 64> ready{};
   if (device < 0 || device >= 64) fail_value("device index out of range: " + num(int64_t{device}));
   const int shape = shape_index(dv, rope);
   if (shape < 0)
     fail_value("unsupported attention shape dv=" + num(dv) + ", rope=" + num(rope) + "; " + kAttnShapesSupported);
   if (rows <= 0) fail_value("attention: query rows per sequence must be positive, got " + num(rows));
   const int block_rows = portable_rows_per_block(rows);
-  const int si = 12 * shape + 6 * (fp8 ? 1 : 0) + 3 * (rope_on_the_fly ? 1 : 0) +
+  const int si = 18 * shape + 6 * (fp8 ? (fp8_tma ? 2 : 1) : 0) + 3 * (rope_on_the_fly ? 1 : 0) +
                  (block_rows == 16 ? 0 : block_rows == 32 ? 1 : 2);
   std::lock_guard<std::mutex> lock(mu);
   if (!ready[device][si]) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     const auto* props = at::cuda::getDeviceProperties(device);
     DeviceAttnInfo info;
-    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly, fp8);
+    info.kind = attn_kernel_for(device, dv, rope, rope_on_the_fly, fp8, fp8_tma);
     check_launch(info.kind == AttnKernel::kHopper
                      ? attn_kernel_info_sm90(static_cast<int>(dv), rope == 0, &info.kernel)
                      : attn_kernel_info_portable(static_cast<int>(dv), static_cast<int>(rope), block_rows, fp8,

@@ -32,10 +32,13 @@ struct DeviceAttnInfo {
 // whether the keys' RoPE runs on the fly: it decides the kernel at rope < 64)
 // and head block: the portable kernel's instance follows the query rows per
 // sequence, rows = s_q * h_q (portable_rows_per_block); the Hopper kernel's
-// does not. fp8: an fp8 cache, which the portable kernel reads (its fp8
-// instance) whatever the device.
+// does not. fp8: an fp8 cache; fp8_tma: one the Hopper kernel's fp8
+// instances can read by TMA (dense, or pages of a multiple of 64 rows; dv 512,
+// rope 64 as stored), which run it where the Hopper kernel runs; the portable
+// kernel's fp8 instances read the others.
 const DeviceAttnInfo& device_attn_info(int device, int64_t dv = kDv, int64_t rope = kRope,
-                                       bool rope_on_the_fly = false, int64_t rows = 128, bool fp8 = false);
+                                       bool rope_on_the_fly = false, int64_t rows = 128, bool fp8 = false,
+                                       bool fp8_tma = false);
 
 // The portable kernel's head block for s_q * h_q query rows per sequence:
 // 16, 32 or 64 rows, the smallest that holds them (few heads pay for no

@@ -317,7 +317,12 @@ void enqueue_attention(const AttnCall& c) {
   const int device = dev.index();
   c10::cuda::CUDAGuard guard(dev);
   const int64_t rows = s_q * h_q;
-  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value(), rows, c.fp8);
+  // an fp8 cache the Hopper kernel's fp8 instances can read: by TMA (not switched off), dense or in pages of a
+  // multiple of 64 rows, rows and pages 16-byte aligned; the portable kernel's fp8 instances read the others
+  const bool fp8_tma = c.fp8 && switches().tma && (!block_table.has_value() || kl.page_size % 64 == 0) &&
+                       kl.row_stride % 16 == 0 && kl.page_stride % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(kv.data_ptr()) % 16 == 0;
+  const DeviceAttnInfo& info = device_attn_info(device, dv, rope_in_key, rope_cs.has_value(), rows, c.fp8, fp8_tma);
   auto stream = at::cuda::getCurrentCUDAStream(device).stream();
   // the split plan: made here (the planner launch), or passed in from the
   // plan op (planned beforehand, once for every call with these lengths)

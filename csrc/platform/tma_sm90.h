@@ -34,36 +34,40 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // The maps a thread encoded last are kept (a map is plain data describing
 // addresses and sizes, the same on every device), so repeated calls on the
 // same tensors skip the driver's encoder.
+// elem_bytes 1: a tensor of bytes (e4m3 caches) read in unswizzled boxes of
+// 64 bytes x box_rows (each box lands row-major, 64 bytes a row).
 inline bool encode_rows(CUtensorMap* map, const void* base, int64_t d0, int64_t d1, int64_t d2, int64_t s1,
-                        int64_t s2, int box_rows, bool box_past_end = false) {
+                        int64_t s2, int box_rows, bool box_past_end = false, int elem_bytes = 2) {
   const PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
-  if (enc == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (s1 * 2) % 16 != 0 || (s2 * 2) % 16 != 0 ||
+  if (enc == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (s1 * elem_bytes) % 16 != 0 ||
+      (s2 * elem_bytes) % 16 != 0 || (elem_bytes != 1 && elem_bytes != 2) ||
       d0 < 1 || d1 < 1 || box_rows < 1 || box_rows > 256 || (d1 < box_rows && !box_past_end) || d2 < 1)
     return false;
   struct Key {
     const void* base;
     int64_t d0, d1, d2, s1, s2;
-    int box_rows;
+    int box_rows, elem_bytes;
     bool operator==(const Key& o) const {
       return base == o.base && d0 == o.d0 && d1 == o.d1 && d2 == o.d2 && s1 == o.s1 && s2 == o.s2 &&
-             box_rows == o.box_rows;
+             box_rows == o.box_rows && elem_bytes == o.elem_bytes;
     }
   };
   constexpr int kKept = 16;
   thread_local Key keys[kKept];
   thread_local CUtensorMap maps[kKept];
   thread_local int kept = 0, next = 0;
-  const Key key{base, d0, d1, d2, s1, s2, box_rows};
+  const Key key{base, d0, d1, d2, s1, s2, box_rows, elem_bytes};
   for (int i = 0; i < kept; ++i)
     if (keys[i] == key) {
       *map = maps[i];
       return true;
     }
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d0), static_cast<cuuint64_t>(d1), static_cast<cuuint64_t>(d2)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(s1 * 2), static_cast<cuuint64_t>(s2 * 2)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(s1 * elem_bytes), static_cast<cuuint64_t>(s2 * elem_bytes)};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1}, elem[3] = {1, 1, 1};
-  if (enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
-          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  if (enc(map, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 3,
+          const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+          elem_bytes == 1 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
   keys[next] = key;

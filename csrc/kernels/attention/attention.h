@@ -74,5 +74,10 @@ bool sm90_per_head_supported(int dv);
 bool sm90_pdl_enabled();
 const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info);
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream);
+// The fp8 instances (attention_sm90_fp8.cu): an e4m3 cache, dv 512, rope 64
+// as stored, bf16 q and out; keys by TMA (dense, or pages of a multiple of 64
+// rows). launch_attention_sm90 hands fp8 calls there.
+const char* attn_kernel_info_sm90_fp8(int* blocks_per_sm);
+const char* launch_attention_sm90_fp8(const AttnParams& p, stream_t stream);
 
 }  // namespace mla

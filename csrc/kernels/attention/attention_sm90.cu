@@ -133,7 +133,12 @@ struct PairTile {
 // How an instance reads the keys: by cp.async (a dense or paged cache,
 // decided at run time), or by TMA from a dense cache or from a paged one
 // (the host made descriptors: TmaMaps::use), each with only its own code.
-enum KeyPath : int { kKeysCopy = 0, kKeysTmaDense = 1, kKeysTmaPaged = 2 };
+// kKeysFp8Dense / kKeysFp8Paged: an e4m3 cache (dv 512, rope 64, bf16 q and
+// out) by TMA, widened in place to fp16 by the warpgroup whose S reads the
+// half (fp8_widen), the products in fp16 (kF16), Q converted to fp16 in place
+// with a power-of-two factor that keeps it finite (convert_q).
+enum KeyPath : int { kKeysCopy = 0, kKeysTmaDense = 1, kKeysTmaPaged = 2, kKeysFp8Dense = 3, kKeysFp8Paged = 4 };
+constexpr int kFp8BoxBytes = 64 * 64;  // an e4m3 box: 64 bytes x 64 rows
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Named barriers (0 is __syncthreads).
@@ -415,6 +420,9 @@ MLA_DEVICE void release_plan(const AttnParams& p, int32_t* ctr, int tid) {
 template <bool kF16, int kDv, bool kPH, int kKeys>
 struct Sm90Block {
   static constexpr bool kTma = kKeys != kKeysCopy;
+  static constexpr bool kFp8 = kKeys == kKeysFp8Dense || kKeys == kKeysFp8Paged;
+  static_assert(!kFp8 || (kF16 && kDv == 512 && !kPH), "fp8 instances: dv 512, fp16 products, shared rope keys");
+  static constexpr bool kOutF16 = kF16 && !kFp8;  // the output's type (fp8 instances write bf16)
   using T = PairTile<kDv>;
   static constexpr int kNB = T::kNB, kHB = T::kHalfNB;
   using E = Half16<kF16>;
@@ -487,7 +495,7 @@ struct Sm90Block {
   // passes under other work: fetch_id returns the raw entry, store_id holds
   // it to the cache (held_page_id): held at the read, the compare sat right
   // after the load in the SASS, so warp 0 waited for the read there.
-  const bool paged = kKeys == kKeysTmaPaged || (kKeys == kKeysCopy && p.block_table != nullptr);
+  const bool paged = kKeys == kKeysTmaPaged || kKeys == kKeysFp8Paged || (kKeys == kKeysCopy && p.block_table != nullptr);
   MLA_DEVICE int32_t fetch_id(int jp, int i) {
     if (!paged || jp >= npairs) return 0;
     const int key0 = (pt.tile_begin + jp) * T::kTileKeys, e0 = p.page_div.div(key0);
@@ -524,6 +532,18 @@ struct Sm90Block {
       }
       if (t == 0) {
         const int bend = min(bhi, nlat);  // (dv 64 on the dv 128 kernel: latent block 1 stays zero)
+        if constexpr (kFp8) {  // e4m3 boxes of 64 bytes x 64 rows (one page of 64k rows, or dense), where fp8_widen expects them
+          unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
+          wg::mbar_arrive_expect_tx(mbp, (bend - blo + (with8 ? 1 : 0)) * kFp8BoxBytes);
+          int page = b, row = key0;
+          if (paged) {
+            page = ids_s[(jp % T::kIdRing) * T::kTileKeys + (p.page_div.div(key0) - p.page_div.div((pt.tile_begin + jp) * T::kTileKeys))];
+            row = p.page_div.mod(key0);
+          }
+          for (int bk = blo; bk < bend; ++bk)
+            wg::tma_load_3d_hint(dst + fp8_box(h, bk), &maps.kv, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
+          if (with8) wg::tma_load_3d_hint(dst + fp8_box(h, kNB), &maps.kv, dvm, row, page, mbp, wg::l2_evict_first_policy());
+        } else {
         wg::mbar_arrive_expect_tx(mbp, max(bend - blo, 0) * T::kBlockBytes + (with8 ? T::kBlockBytes : 0));
         unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
         if constexpr (kPH) {
@@ -546,6 +566,7 @@ struct Sm90Block {
           if (!kPH && with8 && p.kpe == nullptr)
             wg::tma_load_3d_hint(d + kNB * T::kBlockBytes, &maps.kv, dvm, row, page, mbp, wg::l2_evict_first_policy());
         }
+        }  // (not kFp8)
       } else {
         wg::mbar_arrive(mbp);
       }
@@ -707,6 +728,115 @@ struct Sm90Block {
     wg::named_sync(kBarWg0 + wg, 128);
   }
 
+  // ---- fp8 instances. A half's e4m3 bytes land in boxes of 64 bytes x 64
+  // rows (4 KB) inside the fp16 blocks of the same load group (so a group's
+  // refill point, where its blocks are free, is unchanged), in the group's
+  // upper part: K0 blocks 0-3 and K1 blocks 0-3 at 16-32 KB, K0 blocks 4-8 at
+  // 52-72 KB, K1 blocks 4-7 at 48-64 KB, K1's rope block (loaded with blocks
+  // 0-3) in its own upper 4 KB. fp8_widen writes blocks whose fp16 rows lie
+  // below every box of the group as it reads them (0, 1, 4, 5), reads the
+  // other boxes into registers, waits for the warpgroup, then writes those.
+  MLA_DEVICE static constexpr int fp8_box(int h, int bk) {
+    return bk < 4 ? 16384 + 4096 * bk : h == 0 ? 53248 + 4096 * (bk - 4) : bk < 8 ? 49152 + 4096 * (bk - 4) : 69632;
+  }
+  // box bytes [16 c, 16 c + 16) of row r (c < 4) -> fp16 chunks 2c, 2c + 1 of row r of the block
+  MLA_DEVICE static void widen_chunk(unsigned char* blk, int r, int c, uint4 v) {
+    uint4 lo, hi;
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
+    uint32_t hh[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hh[2 * i]) : "h"(static_cast<unsigned short>(w[i] & 0xffffu)));
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hh[2 * i + 1]) : "h"(static_cast<unsigned short>(w[i] >> 16)));
+    }
+    lo = make_uint4(hh[0], hh[1], hh[2], hh[3]);
+    hi = make_uint4(hh[4], hh[5], hh[6], hh[7]);
+    *reinterpret_cast<uint4*>(blk + r * 128 + (((2 * c) ^ (r & 7)) << 4)) = lo;
+    *reinterpret_cast<uint4*>(blk + r * 128 + (((2 * c + 1) ^ (r & 7)) << 4)) = hi;
+  }
+  // Group `grp` of half h of pair jp (grp 0: blocks [0, kHB) (+ the rope block
+  // for K1); grp 1: blocks [kHB, kNB) (+ the rope block for K0)) widened in
+  // place by this warpgroup, then visible to the wgmma of both warpgroups
+  // (fenced here; the other warpgroup reads it after a named barrier that
+  // follows this warpgroup's S). An empty half is not widened (nothing reads it).
+  MLA_DEVICE void fp8_widen(int jp, int h, int grp) {
+    if (half_empty(jp, h)) return;
+    unsigned char* base = kbuf(jp) + h * T::kMatBytes;
+    const int b0 = grp == 0 ? 0 : kHB;  // the group's first block; it and the next one are streamed
+    const bool rope8 = (grp == 0) == (h == 1);  // the rope block is in this group
+    const int nstage = rope8 ? 3 : 2;          // boxes held in registers: blocks b0 + 2, b0 + 3 (+ 8)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // blocks b0, b0 + 1: their rows lie below every box of the group
+      const int bk = b0 + i;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int c = t + 128 * u, r = c >> 2;
+        const uint4 v = *reinterpret_cast<const uint4*>(base + fp8_box(h, bk) + 16 * c);
+        widen_chunk(base + bk * T::kBlockBytes, r, c & 3, v);
+      }
+    }
+    uint4 v[3][2];
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (i < nstage) {
+        const int bk = i < 2 ? b0 + 2 + i : kNB;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) v[i][u] = *reinterpret_cast<const uint4*>(base + fp8_box(h, bk) + 16 * (t + 128 * u));
+      }
+    }
+    wg::named_sync(kBarWg0 + wg, 128);  // every box of the group read (streamed or held)
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (i < nstage) {
+        const int bk = i < 2 ? b0 + 2 + i : kNB;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int c = t + 128 * u;
+          widen_chunk(base + bk * T::kBlockBytes, c >> 2, c & 3, v[i][u]);
+        }
+      }
+    }
+    wg::fence_proxy_async();  // the fp16 rows -> the wgmma (async proxy)
+    wg::named_sync(kBarWg0 + wg, 128);
+  }
+  // Q (bf16, landed in q_s) -> fp16 in place, times 2^-e where e keeps every
+  // value within 2^15 (e = 0 unless |q| > 32768); the scores' factor, times
+  // 2^e, goes to s_t[8] (s_t: the one-key tail's scores, which fp16 products
+  // never use), read by mask_scale_max's callers.
+  MLA_DEVICE void convert_q() {
+    constexpr int kChunks = T::kMatBytes / 16;
+    if (!maps.use_q) sync_threads();  // (Q by cp.async: each thread waited for its own copies only)
+    float mx = 0.f;
+    for (int i = tid; i < kChunks; i += T::kThreads) {
+      const uint4 v = *reinterpret_cast<const uint4*>(q_s + 16 * i);
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) mx = fmaxf(mx, fmaxf(fabsf(bf16_lo(w[k])), fabsf(bf16_hi(w[k]))));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (lane == 0) s_t[tid / 32] = mx;
+    sync_threads();
+#pragma unroll
+    for (int w = 0; w < T::kThreads / 32; ++w) mx = fmaxf(mx, s_t[w]);
+    int e = 0;
+    if (mx > 32768.f && mx <= 3.0e38f) e = static_cast<int>(ceilf(log2f(mx))) - 15;
+    const float f = __int_as_float((127 - e) << 23);  // 2^-e, exact
+    if (tid == 0) s_t[8] = p.scale_log2 * __int_as_float((127 + e) << 23);  // the item's scores' factor (sync_threads below)
+    for (int i = tid; i < kChunks; i += T::kThreads) {
+      uint4 v = *reinterpret_cast<const uint4*>(q_s + 16 * i);
+      uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        uint32_t h2;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h2) : "f"(bf16_hi(w[k]) * f), "f"(bf16_lo(w[k]) * f));
+        w[k] = h2;
+      }
+      *reinterpret_cast<uint4*>(q_s + 16 * i) = v;
+    }
+    wg::fence_proxy_async();  // the fp16 Q -> the S wgmma (the prologue's barrier follows)
+  }
+
   // S of this warpgroup's half of pair jp: its two groups of latent blocks as
   // they land, the rope block (in the second group) with them. With key RoPE
   // the rope block is rotated as soon as the second group has landed, before
@@ -736,6 +866,7 @@ struct Sm90Block {
     // order warpgroup 1 would start on K1's late-loaded part and wait for it).
     wg::mbar_wait(mbar(jp, w1 ? kMbK1b : kMbK0a), par);
     wg::fence_proxy_async();
+    if constexpr (kFp8) fp8_widen(jp, w1 ? 1 : 0, w1 ? 1 : 0);
     wg::fence();
     if constexpr (w1)
       s_steps<4 * kHB, 4 * kNB, kF16, 4 * kHB>(s, dq, dkj);
@@ -745,6 +876,7 @@ struct Sm90Block {
     between();
     wg::mbar_wait(mbar(jp, w1 ? kMbK1a : kMbK0b), par);
     wg::fence_proxy_async();
+    if constexpr (kFp8) fp8_widen(jp, w1 ? 1 : 0, w1 ? 0 : 1);
     if constexpr (!kPH) {
       if (rope) rotate_half(jp, wg, cs);
     }
@@ -898,7 +1030,7 @@ struct Sm90Block {
       // softmax of S0 against the running max
       float mx0, mx1;
       if constexpr (kPH) add_rope_scores<kRB>(s, p_mine(jp), r0, r1, t4);
-      mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, p.scale_log2, mx0, mx1);
+      mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys, t4, lim0, lim1, kFp8 ? s_t[8] : p.scale_log2, mx0, mx1);
       const float n0 = lazy_max(m_a, mx0), n1 = lazy_max(m_b, mx1);
       if (t4 == 0) {
         s_m[r0] = n0;
@@ -975,7 +1107,8 @@ struct Sm90Block {
       const uint64_t so = soff(jp);
       float mx0, mx1;
       if constexpr (kPH) add_rope_scores<kRB>(s, p_mine(jp), r0, r1, t4);
-      mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, p.scale_log2, mx0, mx1);
+      mask_scale_max(s, (pt.tile_begin + jp) * T::kTileKeys + T::kHalf, t4, lim0, lim1, kFp8 ? s_t[8] : p.scale_log2,
+                     mx0, mx1);
       wg::named_sync(kBarM0, 256);  // warpgroup 0's max of this pair
       const float n0 = lazy_max(s_m[r0], mx0), n1 = lazy_max(s_m[r1], mx1);
       if (t4 == 0) {
@@ -1083,6 +1216,7 @@ struct Sm90Block {
       load_q();
       prologue_loads();
       wait_q(nitem);
+      if constexpr (kFp8) convert_q();
       // the tail row -> shared memory, for warpgroup 1's scores and both warpgroups' P V
       if (tail && wg == 0 && t < T::kBlocks * 8) *reinterpret_cast<uint4*>(tail_s + 16 * t) = tail_chunk;
       wg::fence_proxy_async();
@@ -1166,14 +1300,15 @@ struct Sm90Block {
       // ---- epilogue: the row sums, the LSE, O out
       sum_rows(l_a, l_b, next_item, q_pref);
       const float l0 = s_l[r0] + s_l[T::kM + r0], l1 = s_l[r1] + s_l[T::kM + r1];
-      const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+      const float osc = kFp8 ? p.o_scale : 1.f;  // (fp8: the cache's per-tensor scale)
+      const float inv0 = l0 > 0.f ? osc / l0 : 0.f, inv1 = l1 > 0.f ? osc / l1 : 0.f;
       const bool fin = pt.nsplit == 1;  // the final output (bf16/fp16), else fp32 partials for the combine
       const int64_t prow = fin ? 0 : static_cast<int64_t>(pt.first_part + pt.split) * p.rows;
       store_lse<kRB>(p, wg, t4, r0, r1, row_base, b, l0, l1, fin, prow, m_a, m_b);
       const int col0 = T::kN * wg + 2 * t4;
       const int elt = fin ? 2 : 4;
       const int orow_bytes = T::kOutRowBytes(elt);
-      stage_o<T, kF16>(k_s, r0, r1, o, inv0, inv1, fin, orow_bytes, elt, col0);
+      stage_o<T, kOutF16>(k_s, r0, r1, o, inv0, inv1, fin, orow_bytes, elt, col0);
       copy_out_rows(p, k_s, tid, T::kThreads, kRB, row_base, b, dvm, fin, prow, elt, orow_bytes);
       // The combine may launch once every block has issued its first item's
       // output: triggered at the row sums it ran slower where it merges many
@@ -1338,6 +1473,14 @@ TmaMaps make_maps(const AttnParams& p) {
   if (paged && !(ps % 64 == 0 || ps == 8 || ps == 16 || ps == 32)) return m;
   const int64_t d = p.dv + p.rope;
   m.rows = paged && ps < 64 ? ps : 64;
+  if (p.kv_fp8) {  // bytes, unswizzled 64 x 64 boxes (fp8 instances: dense, or pages of a multiple of 64 rows)
+    if (paged && ps % 64 != 0) return m;
+    m.use = encode_rows(&m.kv, p.kv, d, paged ? ps : p.max_len, p.num_pages, p.kv_row_stride, p.kv_page_stride, 64,
+                        !paged, 1)
+                ? 1
+                : 0;
+    return m;
+  }
   bool ok = encode_rows(&m.kv, p.kv, d, paged ? ps : p.max_len, p.num_pages, p.kv_row_stride, p.kv_page_stride, m.rows);
   if (ok && p.kpe != nullptr)
     ok = encode_rows(&m.kpe, p.kpe, p.rope, p.kpe_rows, p.bs, p.kpe_row_stride, p.kpe_batch_stride, 64);
@@ -1380,6 +1523,7 @@ constexpr const char* kSm90Shapes =
 
 }  // namespace
 
+#ifndef MLA_SM90_FP8_TU  // (the fp8 instances' unit: attention_sm90_fp8.cu)
 bool sm90_pdl_enabled() { return switches().pdl; }
 
 // The one list of value widths: dv 64 runs on the dv 128 instance (see the kernel).
@@ -1413,7 +1557,13 @@ const char* launch_dv(const AttnParams& p, stream_t stream) {
 }  // namespace
 
 const char* attn_kernel_info_sm90(int dv, bool per_head, AttnKernelInfo* info) {
-  return on_dv_instance(dv, [&](auto k) { return kernel_info<decltype(k)::value>(per_head, info); });
+  const char* e = on_dv_instance(dv, [&](auto k) { return kernel_info<decltype(k)::value>(per_head, info); });
+  if (e == nullptr && dv == 512 && !per_head) {  // the fp8 instances: same tile, their own occupancy
+    int b = 0;
+    e = attn_kernel_info_sm90_fp8(&b);
+    if (e == nullptr) info->blocks_per_sm = std::min(info->blocks_per_sm, b);
+  }
+  return e;
 }
 
 const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
@@ -1424,16 +1574,20 @@ const char* launch_attention_sm90(const AttnParams& p, stream_t stream) {
   if (!sm90_shape_supported(p.dv, p.rope)) return kSm90Shapes;
   if (p.rope_cs != nullptr && p.rope != 64) return "launch_attention_sm90: on-the-fly key RoPE needs rope 64";
   if (p.f16 && p.rope_cs != nullptr) return "launch_attention_sm90: on-the-fly key RoPE is bf16 only";
+  if (p.kv_fp8) return launch_attention_sm90_fp8(p, stream);
   return launch_dv<false>(p, stream);
 }
 
+#endif  // MLA_SM90_FP8_TU
 #else  // AMD: the Hopper kernel does not exist there
+#ifndef MLA_SM90_FP8_TU
 
 bool sm90_pdl_enabled() { return false; }
 bool sm90_shape_supported(int, int) { return false; }
 bool sm90_per_head_supported(int) { return false; }
 const char* attn_kernel_info_sm90(int, bool, AttnKernelInfo*) { return "the sm90 attention kernel is NVIDIA-only"; }
 const char* launch_attention_sm90(const AttnParams&, stream_t) { return "the sm90 attention kernel is NVIDIA-only"; }
+#endif  // MLA_SM90_FP8_TU
 
 #endif
 
