@@ -50,6 +50,7 @@ import warnings
 
 import torch
 
+from . import kernel_choice
 from ._ext import require_kernels
 from .attention import _kv_scale, check_attention_shape, check_paged_rows
 from .fp8 import FP8_DTYPES, FP8_KV_DTYPE
@@ -107,10 +108,11 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     synchronization: a debugging mode, not for the hot path).
     kv_scale (keyword; ours, FlashMLA's dense decode has no FP8): with
     k_cache in ``mla_decode.fp8.FP8_KV_DTYPE`` (vLLM's per-tensor FP8 MLA
-    cache), its scale, as ``mla_attention``'s; bf16 q, d 576. Such a call
-    plans its own split (the metadata is made for the bf16 kernel); on
-    Hopper, pages of a multiple of 64 rows run the Hopper kernel's fp8
-    instances, other page sizes the portable kernel's.
+    cache), its scale, as ``mla_attention``'s; bf16 q, d 576. On Hopper,
+    pages of a multiple of 64 rows run the Hopper kernel's fp8 instances,
+    which take the metadata's plan; other page sizes the portable kernel's,
+    which plans its own split in the call (the metadata is made for the
+    Hopper kernel's split).
 
     Returns (out [b, s_q, h_q, dv] in q's dtype, lse [b, h_q, s_q] fp32)."""
     if q.dim() != 4:
@@ -148,7 +150,16 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                          ("block_table", "cache_seqlens", "k_cache"))
     args = (q, k_cache, cache_seqlens, block_table, None, float(softmax_scale), bool(causal), None, int(head_dim_v),
             kpe_cache)
-    if fp8:  # (it plans in the call)
+    if fp8:
+        # the Hopper kernel's fp8 instances split the work as the bf16 kernel the metadata is made for (pages
+        # of a multiple of 64 rows on Hopper); the portable kernel's plan in the call
+        if k_cache.shape[1] % 64 == 0 and kernel_choice.hopper(q.device):
+            try:
+                return torch.ops.mla_decode.attention(*args, tile_scheduler_metadata, True, scale)
+            except ValueError as e:
+                if not str(e).startswith("plan"):
+                    raise
+                _warn_other_sizes(q, str(e))
         return torch.ops.mla_decode.attention(*args, None, True, scale)
     if kpe_cache is None and head_dim_v == 512 and d == 576:  # the shape get_mla_metadata plans for
         try:  # its plan, with the lengths read now and a work counter of this call's own
