@@ -3,7 +3,7 @@ NVIDIA, e4m3fnuz on AMD) in the attention and the serving API: out and lse
 against the float64 (or float32) reference on the dequantized cache, NaN in
 every row past a length and in unused pages, invalid ids in unused
 block-table slots, variable lengths, s_q 1-4 causal, h_q 16-128, pages of
-1-64 rows, under a CUDA graph with lengths and block tables changed in place,
+1-128 rows, under CUDA graphs with lengths and block tables changed in place,
 rows appended by fp8_append_paged, every finite code decoded exactly, q
 beyond fp16's range, and which kernel reads which cache. Bound: the bf16
 path's (check): the kernels multiply the e4m3 values themselves (exact in
@@ -156,6 +156,7 @@ def test_fp8_with_tma_switched_off():
             "g = torch.Generator(device='cuda').manual_seed(4)\n"
             "q = torch.randn(3, 1, 64, 576, device='cuda', generator=g).bfloat16()\n"
             "kv = torch.randn(3, 900, 576, device='cuda', generator=g).bfloat16()\n"
+            "kv[1, 1:] = float('nan'); kv[2, 300:] = float('nan')\n"  # (never to be read)
             "lens = torch.tensor([900, 1, 300], dtype=torch.int32, device='cuda')\n"
             "kv8 = quantize_per_tensor(kv, 0.0125, FP8_KV_DTYPE)\n"
             "o, l = mla_decode.mla_attention(q, kv8, lens, 0.08, kv_scale=0.0125)\n"
