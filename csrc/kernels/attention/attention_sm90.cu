@@ -511,6 +511,16 @@ struct Sm90Block {
     return p.kv + static_cast<int64_t>(ids_s[(jp % T::kIdRing) * T::kTileKeys + e]) * p.kv_page_stride +
            static_cast<int64_t>(p.page_div.mod(key)) * p.kv_row_stride;
   }
+  // A TMA box's origin for key k of pair jp: the page (the sequence when dense) and the row in it.
+  MLA_DEVICE void box_origin(int jp, int k, int& page, int& row) {
+    row = k;
+    page = b;
+    if (paged) {
+      const int e = p.page_div.div(k) - p.page_div.div((pt.tile_begin + jp) * T::kTileKeys);
+      page = ids_s[(jp % T::kIdRing) * T::kTileKeys + e];
+      row = p.page_div.mod(k);
+    }
+  }
   const int rope_chunks = p.rope / 8;  // 16-byte chunks of the rope block read from memory
   // Column blocks [blo, bhi) (+ the rope block kNB if with8) of half h of
   // pair jp, completing mbarrier `bar` when they have landed. TMA instances
@@ -535,11 +545,8 @@ struct Sm90Block {
         if constexpr (kFp8) {  // e4m3 boxes of 64 bytes x 64 rows (one page of 64k rows, or dense), where fp8_widen expects them
           unsigned char* dst = kbuf(jp) + h * T::kMatBytes;
           wg::mbar_arrive_expect_tx(mbp, (bend - blo + (with8 ? 1 : 0)) * kFp8BoxBytes);
-          int page = b, row = key0;
-          if (paged) {
-            page = ids_s[(jp % T::kIdRing) * T::kTileKeys + (p.page_div.div(key0) - p.page_div.div((pt.tile_begin + jp) * T::kTileKeys))];
-            row = p.page_div.mod(key0);
-          }
+          int page, row;
+          box_origin(jp, key0, page, row);
           for (int bk = blo; bk < bend; ++bk)
             wg::tma_load_3d_hint(dst + fp8_box(h, bk), &maps.kv, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
           if (with8) wg::tma_load_3d_hint(dst + fp8_box(h, kNB), &maps.kv, dvm, row, page, mbp, wg::l2_evict_first_policy());
@@ -554,12 +561,8 @@ struct Sm90Block {
           wg::tma_load_3d_hint(dst + kNB * T::kBlockBytes, &maps.kpe, 0, key0, b, mbp, wg::l2_evict_first_policy());
         }
         for (int k = key0; k < key0 + T::kHalf; k += maps.rows) {  // one box of `rows` keys per column block
-          int row = k, page = b;
-          if (paged) {
-            const int e = p.page_div.div(k) - p.page_div.div((pt.tile_begin + jp) * T::kTileKeys);
-            page = ids_s[(jp % T::kIdRing) * T::kTileKeys + e];
-            row = p.page_div.mod(k);
-          }
+          int page, row;
+          box_origin(jp, k, page, row);
           unsigned char* d = dst + (k - key0) * 128;  // a multiple of 8 rows: the swizzle phase is unchanged
           for (int bk = blo; bk < bend; ++bk)
             wg::tma_load_3d_hint(d + bk * T::kBlockBytes, &maps.kv, 64 * bk, row, page, mbp, wg::l2_evict_first_policy());
