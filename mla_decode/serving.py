@@ -150,25 +150,21 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                          ("block_table", "cache_seqlens", "k_cache"))
     args = (q, k_cache, cache_seqlens, block_table, None, float(softmax_scale), bool(causal), None, int(head_dim_v),
             kpe_cache)
+    # the metadata's plan where the kernel that runs splits the work as get_mla_metadata plans it: the bf16 kernel's
+    # shape, and fp8 caches in pages of a multiple of 64 rows on Hopper (the Hopper kernel's fp8 instances); other
+    # fp8 calls run the portable kernel, which plans in the call
     if fp8:
-        # the Hopper kernel's fp8 instances split the work as the bf16 kernel the metadata is made for (pages
-        # of a multiple of 64 rows on Hopper); the portable kernel's plan in the call
-        if k_cache.shape[1] % 64 == 0 and kernel_choice.hopper(q.device):
-            try:
-                return torch.ops.mla_decode.attention(*args, tile_scheduler_metadata, True, scale)
-            except ValueError as e:
-                if not str(e).startswith("plan"):
-                    raise
-                _warn_other_sizes(q, str(e))
-        return torch.ops.mla_decode.attention(*args, None, True, scale)
-    if kpe_cache is None and head_dim_v == 512 and d == 576:  # the shape get_mla_metadata plans for
+        tail, use_meta = (True, scale), k_cache.shape[1] % 64 == 0 and kernel_choice.hopper(q.device)  # (split, kv_scale)
+    else:
+        tail, use_meta = (), kpe_cache is None and head_dim_v == 512 and d == 576
+    if use_meta:
         try:  # its plan, with the lengths read now and a work counter of this call's own
-            return torch.ops.mla_decode.attention(*args, tile_scheduler_metadata)
+            return torch.ops.mla_decode.attention(*args, tile_scheduler_metadata, *tail)
         except ValueError as e:
             if not str(e).startswith("plan"):  # (a plan of other sizes: this call plans its own)
                 raise
             _warn_other_sizes(q, str(e))
-    return torch.ops.mla_decode.attention(*args)
+    return torch.ops.mla_decode.attention(*args, None, *tail)
 
 
 _warned_sizes = set()
