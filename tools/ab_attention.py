@@ -5,6 +5,8 @@ device time in CUDA graphs, alternated in separate processes (like clocks).
         --shapes 32,128,4096 128,1,32769 [--kernel portable] [--rounds 2] [--env MLA_DECODE_PDL=0]
     python3 tools/ab_attention.py --prebuilt old=/tmp/ab/old --prebuilt new=/tmp/ab/new --shapes ...
     python3 tools/ab_attention.py --prebuilt on=. --prebuilt off=. --env-of off:MLA_DECODE_PDL=0 --shapes ...
+    python3 tools/ab_attention.py --prebuilt hopper=. --prebuilt portable=. \
+        --env-of portable:MLA_DECODE_ATTN_KERNEL=portable --shapes ...
 
 --build NAME=CSRC copies this checkout's mla_decode, setup.py,
 pyproject.toml and benchmarks to /tmp/ab/NAME with CSRC as its csrc and
@@ -132,7 +134,9 @@ def main():
             env = dict(os.environ, PYTHONPATH=d)
             env.update(pairs(args.env))
             env.update(pairs(env_of.get(name, [])))  # (over --env where both name a variable)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, "--kernel", args.kernel,
+            # (--env-of NAME:MLA_DECODE_ATTN_KERNEL=... sets that build's kernel: two kernels of one tree)
+            kernel = dict(pairs(env_of.get(name, []))).get("MLA_DECODE_ATTN_KERNEL", args.kernel)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, "--kernel", kernel,
                    "--shapes", *args.shapes]
             res = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True)
             if res.returncode != 0:
