@@ -133,9 +133,10 @@ def main():
                 os.makedirs(out_dir, exist_ok=True)
             env = dict(os.environ, PYTHONPATH=d)
             env.update(pairs(args.env))
-            env.update(pairs(env_of.get(name, [])))  # (over --env where both name a variable)
+            own = dict(pairs(env_of.get(name, [])))
+            env.update(own)  # (over --env where both name a variable)
             # (--env-of NAME:MLA_DECODE_ATTN_KERNEL=... sets that build's kernel: two kernels of one tree)
-            kernel = dict(pairs(env_of.get(name, []))).get("MLA_DECODE_ATTN_KERNEL", args.kernel)
+            kernel = own.get("MLA_DECODE_ATTN_KERNEL", args.kernel)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, "--kernel", kernel,
                    "--shapes", *args.shapes]
             res = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True)
